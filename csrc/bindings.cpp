@@ -1,0 +1,204 @@
+// cosa._C: the remap layer (remap.hpp) on numpy int32 arrays.
+//
+// Calls keep the GIL: the input arrays are borrowed, and another thread
+// changing one between validation and use could otherwise steer reads out of
+// bounds.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "remap.hpp"
+
+namespace py = pybind11;
+
+namespace {
+
+using Int32Array = py::array_t<int32_t, py::array::c_style | py::array::forcecast>;
+
+std::string shape_of(const py::array& array) {
+    return py::str(py::tuple(array.attr("shape"))).cast<std::string>();
+}
+
+// `obj` as a C-contiguous int32 array of `ndim` dimensions, without a copy
+// when it already is one. Other integer dtypes are converted if every value
+// fits; floats, bools and the like raise TypeError instead of being cast.
+Int32Array int32_array(py::handle obj, const std::string& name, py::ssize_t ndim) {
+    const py::array array = py::array::ensure(obj);
+    if (!array) {
+        throw py::type_error(name + " must be an integer array, got " + Py_TYPE(obj.ptr())->tp_name);
+    }
+    const char kind = array.dtype().kind();
+    // An empty list has no dtype to honour: numpy makes it float64.
+    if (kind != 'i' && kind != 'u' && array.size() > 0) {
+        throw py::type_error(name + " must have an integer dtype (int32), got " +
+                             py::str(array.dtype()).cast<std::string>());
+    }
+    if (array.ndim() != ndim) {
+        throw py::value_error(name + " must be " + std::to_string(ndim) + "-D, got shape " +
+                              shape_of(array));
+    }
+    if (!array.dtype().is(py::dtype::of<int32_t>()) && array.size() > 0) {
+        const py::int_ lowest(std::numeric_limits<int32_t>::min());
+        const py::int_ highest(std::numeric_limits<int32_t>::max());
+        for (const char* extreme : {"argmin", "argmax"}) {
+            const auto index = array.attr(extreme)().cast<py::ssize_t>();  // a flat index
+            const py::object value = array.attr("item")(index);           // exact Python int
+            if (value < lowest || value > highest) {
+                throw py::value_error(name + (ndim == 1 ? "[" : ".flat[") + std::to_string(index) +
+                                      "]=" + py::str(value).cast<std::string>() +
+                                      " does not fit in int32");
+            }
+        }
+    }
+    return Int32Array::ensure(array);
+}
+
+cosa::Span<const int32_t> span_of(const Int32Array& array) { return {array.data(), array.size()}; }
+
+// A numpy array that takes over `values` without copying them.
+py::array_t<int32_t> to_numpy(std::vector<int32_t>&& values, std::vector<py::ssize_t> shape) {
+    auto owned = std::make_unique<std::vector<int32_t>>(std::move(values));
+    const py::capsule base(owned.get(), [](void* p) { delete static_cast<std::vector<int32_t>*>(p); });
+    const int32_t* data = owned.release()->data();
+    return py::array_t<int32_t>(std::move(shape), data, base);
+}
+
+py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_indices,
+                    py::handle kv_last_page_len, int64_t num_pages, int64_t page_size,
+                    int64_t num_qo_heads, bool causal, double budget, bool force_local,
+                    bool force_sink) {
+    const Int32Array qo = int32_array(qo_indptr, "qo_indptr", 1);
+    const Int32Array kv = int32_array(kv_indptr, "kv_indptr", 1);
+    const Int32Array indices = int32_array(kv_indices, "kv_indices", 1);
+    const Int32Array last = int32_array(kv_last_page_len, "kv_last_page_len", 1);
+    cosa::PlanArgs args;
+    args.qo_indptr = span_of(qo);
+    args.kv_indptr = span_of(kv);
+    args.kv_indices = span_of(indices);
+    args.kv_last_page_len = span_of(last);
+    args.num_pages = num_pages;
+    args.page_size = page_size;
+    args.num_qo_heads = num_qo_heads;
+    args.causal = causal;
+    args.budget = budget;
+    args.force_local = force_local;
+    args.force_sink = force_sink;
+    cosa::Plan plan = cosa::build_plan(args);
+
+    const py::ssize_t batch = plan.batch_size();
+    const py::ssize_t num_kv_blocks = plan.num_kv_blocks();
+    const py::ssize_t num_qtiles = plan.num_qtiles();
+    const py::ssize_t num_tiles = plan.num_tiles();
+    py::dict tables;
+    tables["qo_lens"] = to_numpy(std::move(plan.qo_lens), {batch});
+    tables["kv_lens"] = to_numpy(std::move(plan.kv_lens), {batch});
+    tables["kv_block_indptr"] = to_numpy(std::move(plan.kv_block_indptr), {batch + 1});
+    tables["block_pages"] =
+        to_numpy(std::move(plan.block_pages), {num_kv_blocks, plan.pages_per_block});
+    tables["qtiles"] = to_numpy(std::move(plan.qtiles), {num_qtiles, COSA_QT_COLUMNS});
+    tables["tile_order"] = to_numpy(std::move(plan.tile_order), {num_tiles, 2});
+    tables["k_max"] = plan.k_max;
+    tables["pages_per_block"] = plan.pages_per_block;
+    tables["num_qo_heads"] = plan.num_qo_heads;
+    return tables;
+}
+
+// A field of build_plan's dict, or the attribute of that name of another object.
+py::object field(py::handle plan, const char* name) {
+    if (py::isinstance<py::dict>(plan)) return py::reinterpret_borrow<py::dict>(plan)[name];
+    return plan.attr(name);
+}
+
+int32_t int32_field(py::handle plan, const char* name) {
+    try {
+        return field(plan, name).cast<int32_t>();
+    } catch (const py::cast_error&) {
+        throw py::type_error(std::string("plan.") + name + " must be an int32 integer");
+    }
+}
+
+// The fields resolve_order reads; cosa::resolve_order checks their consistency.
+cosa::Plan plan_from_python(py::handle obj) {
+    const Int32Array qtiles = int32_array(field(obj, "qtiles"), "plan.qtiles", 2);
+    const Int32Array block_pages = int32_array(field(obj, "block_pages"), "plan.block_pages", 2);
+    const Int32Array kv_block_indptr =
+        int32_array(field(obj, "kv_block_indptr"), "plan.kv_block_indptr", 1);
+    constexpr py::ssize_t kMaxPagesPerBlock = COSA_BLOCK_SIZE / cosa::kPageSizes.front();
+    if (qtiles.shape(1) != COSA_QT_COLUMNS || block_pages.shape(1) < 1 ||
+        block_pages.shape(1) > kMaxPagesPerBlock) {
+        throw py::value_error("plan: qtiles must have " + std::to_string(COSA_QT_COLUMNS) +
+                              " columns and block_pages 1.." + std::to_string(kMaxPagesPerBlock) +
+                              ", got shapes " + shape_of(qtiles) + " and " + shape_of(block_pages));
+    }
+    cosa::Plan plan;
+    plan.num_qo_heads = int32_field(obj, "num_qo_heads");
+    plan.k_max = int32_field(obj, "k_max");
+    plan.pages_per_block = static_cast<int32_t>(block_pages.shape(1));
+    plan.qtiles.assign(qtiles.data(), qtiles.data() + qtiles.size());
+    plan.block_pages.assign(block_pages.data(), block_pages.data() + block_pages.size());
+    plan.kv_block_indptr.assign(kv_block_indptr.data(),
+                                kv_block_indptr.data() + kv_block_indptr.size());
+    return plan;
+}
+
+py::array_t<int32_t> resolve_order(py::handle plan_obj, py::handle order_obj) {
+    const cosa::Plan plan = plan_from_python(plan_obj);
+    const Int32Array order = int32_array(order_obj, "order", 3);
+    const std::vector<py::ssize_t> expected = {plan.num_qtiles(), plan.num_qo_heads, plan.k_max};
+    if (!std::equal(expected.begin(), expected.end(), order.shape())) {
+        throw py::value_error("order must have shape (num_qtiles, num_qo_heads, k_max) = " +
+                              py::str(py::tuple(py::cast(expected))).cast<std::string>() +
+                              ", got " + shape_of(order));
+    }
+    py::array_t<int32_t> pages({plan.num_qtiles(), int64_t{plan.num_qo_heads},
+                                int64_t{plan.k_max}, int64_t{plan.pages_per_block}});
+    cosa::resolve_order(plan, span_of(order), {pages.mutable_data(), pages.size()});
+    return pages;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+    m.doc() = "cosa's remap layer: page-table checks, block table, tile schedule (docs/design.md).";
+
+    m.attr("BLOCK_SIZE") = int{COSA_BLOCK_SIZE};
+    m.attr("PAGE_SIZES") = py::tuple(py::cast(cosa::kPageSizes));
+    m.attr("QT_REQUEST") = int{COSA_QT_REQUEST};
+    m.attr("QT_INDEX") = int{COSA_QT_INDEX};
+    m.attr("QT_ROW_START") = int{COSA_QT_ROW_START};
+    m.attr("QT_ROWS") = int{COSA_QT_ROWS};
+    m.attr("QT_NUM_CANDIDATES") = int{COSA_QT_NUM_CANDIDATES};
+    m.attr("QT_LOCAL_FIRST") = int{COSA_QT_LOCAL_FIRST};
+    m.attr("QT_LOCAL_LAST") = int{COSA_QT_LOCAL_LAST};
+    m.attr("QT_NUM_SELECTED") = int{COSA_QT_NUM_SELECTED};
+    m.attr("QT_COLUMNS") = int{COSA_QT_COLUMNS};
+
+    m.def("build_plan", &build_plan, py::arg("qo_indptr"), py::arg("kv_indptr"),
+          py::arg("kv_indices"), py::arg("kv_last_page_len"), py::kw_only(), py::arg("num_pages"),
+          py::arg("page_size"), py::arg("num_qo_heads"), py::arg("causal"), py::arg("budget"),
+          py::arg("force_local"), py::arg("force_sink"),
+          R"doc(Validate a paged-KV batch and build its plan tables (docs/design.md, "Plan tensors").
+
+The four arrays are 1-D integer arrays (int32 is used without a copy). Returns a
+dict of int32 numpy arrays qo_lens [B], kv_lens [B], kv_block_indptr [B+1],
+block_pages [num_kv_blocks, pages_per_block], qtiles [num_qtiles, QT_COLUMNS] and
+tile_order [num_qtiles * num_qo_heads, 2], and the ints k_max, pages_per_block and
+num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
+non-integer array.)doc");
+    m.def("resolve_order", &resolve_order, py::arg("plan"), py::arg("order"),
+          R"doc(Physical pages of an order mask: [num_qtiles, num_qo_heads, k_max, pages_per_block].
+
+plan is build_plan's dict, or an object with its qtiles, block_pages,
+kv_block_indptr, k_max and num_qo_heads as attributes (CPU arrays or tensors).
+order [num_qtiles, num_qo_heads, k_max] lists each row's selected candidate
+blocks, each at most once, then -1. Padding entries resolve to -1, as do slots
+past kv_len. Raises ValueError naming plan or order when they disagree.)doc");
+}

@@ -1,0 +1,163 @@
+/*
+ * cosa: C API of the paged-KV remap layer.
+ *
+ * Given a batch's page table (FlashInfer's CSR form) this builds the plan
+ * tables that CoSA's kernel reads: per-request lengths, the physical pages of
+ * every 128-token key block, one row per 128-row query tile, and the order in
+ * which (query tile, head) work items are taken. docs/design.md ("Plan
+ * tensors") defines every array exactly.
+ *
+ * Conventions:
+ *  - Functions returning cosa_status never throw or abort; on failure
+ *    cosa_last_error() says which argument is wrong and why, and output
+ *    parameters are left untouched unless documented otherwise.
+ *  - Arrays are int32, row-major, passed as pointer + element count; a
+ *    pointer may be NULL only when its count is 0.
+ *  - A plan is immutable after creation and may be read from many threads.
+ */
+#ifndef COSA_COSA_H
+#define COSA_COSA_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+/* The single source of the version: CMake and the Python package read these. */
+#define COSA_VERSION_MAJOR 0
+#define COSA_VERSION_MINOR 1
+#define COSA_VERSION_PATCH 0
+/* MAJOR * 10000 + MINOR * 100 + PATCH, for preprocessor comparisons. */
+#define COSA_VERSION (COSA_VERSION_MAJOR * 10000 + COSA_VERSION_MINOR * 100 + COSA_VERSION_PATCH)
+
+#if defined(_WIN32)
+#  if defined(COSA_BUILDING_LIBRARY)
+#    define COSA_API __declspec(dllexport)
+#  else
+#    define COSA_API __declspec(dllimport)
+#  endif
+#else
+#  define COSA_API __attribute__((visibility("default")))
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Tokens per logical block, for queries (a query tile) and keys alike. */
+enum { COSA_BLOCK_SIZE = 128 };
+
+/* Columns of the qtiles table (one row per request's 128-row query tile). */
+enum cosa_qtile_column {
+    COSA_QT_REQUEST = 0,        /* request index */
+    COSA_QT_INDEX = 1,          /* tile index within the request */
+    COSA_QT_ROW_START = 2,      /* first row of the tile in q (global row) */
+    COSA_QT_ROWS = 3,           /* valid rows, 1..128 */
+    COSA_QT_NUM_CANDIDATES = 4, /* key blocks the tile may see: 0..n-1 */
+    COSA_QT_LOCAL_FIRST = 5,    /* first key block holding the tile's diagonal */
+    COSA_QT_LOCAL_LAST = 6,     /* last one (LOCAL_FIRST or LOCAL_FIRST + 1) */
+    COSA_QT_NUM_SELECTED = 7,   /* entries of the tile's order rows (stage 1) */
+    COSA_QT_COLUMNS = 8
+};
+
+typedef enum cosa_status {
+    COSA_OK = 0,
+    COSA_ERROR_INVALID_ARGUMENT = 1, /* the input breaks a documented rule */
+    COSA_ERROR_INTERNAL = 2          /* out of memory or a bug in cosa */
+} cosa_status;
+
+/* The version of the loaded library (COSA_VERSION of its build). */
+COSA_API int cosa_version(void);
+
+/*
+ * Message of the last cosa_status-returning call on this thread: "" after
+ * success, else it starts with the offending argument's name, e.g.
+ * "kv_indptr must be non-decreasing: kv_indptr[3]=7 > kv_indptr[4]=5".
+ * Valid until the next such call on the same thread.
+ */
+COSA_API const char* cosa_last_error(void);
+
+/*
+ * A batch of B requests in FlashInfer's paged-KV form.
+ *
+ * qo_indptr[B+1] and kv_indptr[B+1] start at 0 and never decrease.
+ * kv_indices holds at least kv_indptr[B] page ids in [0, num_pages); extra
+ * entries are ignored. kv_last_page_len[B] is 1..page_size for a request
+ * with pages and 0 for one without; kv_len = page_size * (pages - 1) + last.
+ * page_size is 16, 32, 64, 128 or 256; budget (the stage-1 fraction of
+ * candidate blocks) is in (0, 1]. A request with query rows needs keys, and
+ * with causal (bottom-right aligned) q_len <= kv_len.
+ * force_local / force_sink count the diagonal block(s) / block 0 as forced:
+ * always selected, whatever the budget.
+ */
+typedef struct cosa_remap_args {
+    const int32_t* qo_indptr;
+    int64_t qo_indptr_size;
+    const int32_t* kv_indptr;
+    int64_t kv_indptr_size;
+    const int32_t* kv_indices;
+    int64_t kv_indices_size;
+    const int32_t* kv_last_page_len;
+    int64_t kv_last_page_len_size;
+    int64_t num_pages;
+    int32_t page_size;
+    int32_t num_qo_heads;
+    bool causal;
+    double budget;
+    bool force_local;
+    bool force_sink;
+} cosa_remap_args;
+
+typedef struct cosa_remap_plan cosa_remap_plan;
+
+/* Array sizes of a plan; array shapes are given in the getters below. */
+typedef struct cosa_remap_plan_sizes {
+    int32_t batch_size;      /* B */
+    int32_t num_qo_heads;
+    int32_t num_kv_blocks;   /* 128-token key blocks over all requests */
+    int32_t pages_per_block; /* max(1, 128 / page_size) */
+    int32_t num_qtiles;      /* 128-row query tiles over all requests */
+    int32_t num_tiles;       /* num_qtiles * num_qo_heads work items */
+    int32_t k_max;           /* largest QT_NUM_SELECTED; 0 without query rows */
+} cosa_remap_plan_sizes;
+
+/* Validates args and builds a plan; on success *out owns it (free with destroy). */
+COSA_API cosa_status cosa_remap_plan_create(const cosa_remap_args* args, cosa_remap_plan** out);
+
+/* Frees a plan; NULL is a no-op. */
+COSA_API void cosa_remap_plan_destroy(cosa_remap_plan* plan);
+
+COSA_API cosa_status cosa_remap_plan_info(const cosa_remap_plan* plan, cosa_remap_plan_sizes* out);
+
+/*
+ * The plan's arrays, owned by the plan; NULL when plan is NULL, and possibly
+ * NULL when the array is empty.
+ *   qo_lens[B], kv_lens[B]
+ *   kv_block_indptr[B+1]   key blocks of request r: rows kv_block_indptr[r]..[r+1]-1
+ *   block_pages[num_kv_blocks][pages_per_block]  physical page per slot, -1 past kv_len
+ *   qtiles[num_qtiles][COSA_QT_COLUMNS]
+ *   tile_order[num_tiles][2]  (qtile, head), most selected blocks first
+ */
+COSA_API const int32_t* cosa_remap_plan_qo_lens(const cosa_remap_plan* plan);
+COSA_API const int32_t* cosa_remap_plan_kv_lens(const cosa_remap_plan* plan);
+COSA_API const int32_t* cosa_remap_plan_kv_block_indptr(const cosa_remap_plan* plan);
+COSA_API const int32_t* cosa_remap_plan_block_pages(const cosa_remap_plan* plan);
+COSA_API const int32_t* cosa_remap_plan_qtiles(const cosa_remap_plan* plan);
+COSA_API const int32_t* cosa_remap_plan_tile_order(const cosa_remap_plan* plan);
+
+/*
+ * Resolves an order mask to physical pages, as the kernel does through
+ * block_pages. order[num_qtiles][num_qo_heads][k_max] lists, per row, the
+ * tile's selected key blocks (request-local indices in [0, QT_NUM_CANDIDATES),
+ * each at most once) in its first QT_NUM_SELECTED entries and -1 after them.
+ * out_pages[num_qtiles][num_qo_heads][k_max][pages_per_block] receives the
+ * entries' block_pages rows, -1 for padding entries. The sizes are element
+ * counts and must match exactly. On failure out_pages is unspecified.
+ */
+COSA_API cosa_status cosa_remap_resolve_order(const cosa_remap_plan* plan, const int32_t* order,
+                                              int64_t order_size, int32_t* out_pages,
+                                              int64_t out_pages_size);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* COSA_COSA_H */

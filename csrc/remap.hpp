@@ -1,0 +1,73 @@
+// The paged-KV remap layer: validates a batch's page table and builds the plan
+// tables of docs/design.md ("Plan tensors"). Host code, run once per batch shape.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "cosa/cosa.h"  // COSA_BLOCK_SIZE and the qtile columns, shared with C users
+
+namespace cosa {
+
+inline constexpr std::array<int32_t, 5> kPageSizes = {16, 32, 64, 128, 256};
+
+// A caller-owned array; `data` may be null only when `size` is 0.
+template <class T>
+struct Span {
+    T* data = nullptr;
+    int64_t size = 0;
+};
+
+struct PlanArgs {
+    Span<const int32_t> qo_indptr;         // [B+1]
+    Span<const int32_t> kv_indptr;         // [B+1]
+    Span<const int32_t> kv_indices;        // [>= kv_indptr[B]]
+    Span<const int32_t> kv_last_page_len;  // [B]
+    // 64-bit so that out-of-range values reach validation instead of wrapping.
+    int64_t num_pages = 0;
+    int64_t page_size = 0;
+    int64_t num_qo_heads = 0;
+    bool causal = true;
+    double budget = 1.0;
+    bool force_local = true;
+    bool force_sink = true;
+};
+
+// The plan tables, row-major. Sizes derive from the arrays, so they cannot
+// disagree with them; build_plan keeps every element count within int32.
+struct Plan {
+    int32_t num_qo_heads = 0;
+    int32_t pages_per_block = 1;
+    int32_t k_max = 0;
+    std::vector<int32_t> qo_lens;          // [B]
+    std::vector<int32_t> kv_lens;          // [B]
+    std::vector<int32_t> kv_block_indptr;  // [B+1]
+    std::vector<int32_t> block_pages;      // [num_kv_blocks, pages_per_block]
+    std::vector<int32_t> qtiles;           // [num_qtiles, COSA_QT_COLUMNS]
+    std::vector<int32_t> tile_order;       // [num_tiles, 2]
+
+    int64_t batch_size() const { return static_cast<int64_t>(qo_lens.size()); }
+    int64_t num_kv_blocks() const {
+        return static_cast<int64_t>(block_pages.size()) / pages_per_block;
+    }
+    int64_t num_qtiles() const { return static_cast<int64_t>(qtiles.size()) / COSA_QT_COLUMNS; }
+    int64_t num_tiles() const { return num_qtiles() * num_qo_heads; }
+    // Entries of the order mask [num_qtiles, num_qo_heads, k_max].
+    int64_t order_size() const { return num_tiles() * k_max; }
+};
+
+// Throws std::invalid_argument, its message starting with the offending
+// argument's name, when `args` breaks a rule of cosa.h's cosa_remap_args.
+COSA_API Plan build_plan(const PlanArgs& args);
+
+// Writes order's physical pages to out_pages
+// [num_qtiles, num_qo_heads, k_max, pages_per_block] (see
+// cosa_remap_resolve_order). Reads plan.qtiles, kv_block_indptr, block_pages,
+// num_qo_heads, pages_per_block and k_max, and checks first that they are
+// consistent, so that a plan assembled by hand (say from Python arrays) cannot
+// make it read out of bounds. Throws std::invalid_argument naming `plan`,
+// `order` or `out_pages`.
+COSA_API void resolve_order(const Plan& plan, Span<const int32_t> order, Span<int32_t> out_pages);
+
+}  // namespace cosa
