@@ -1,0 +1,24 @@
+"""cosa: CoSA block-sparse attention for long-context prefill (KAP proxy + OSK kernel).
+
+    plan_ = cosa.plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                      num_qo_heads, num_kv_heads, head_dim, page_size)
+    o = cosa.run(plan_, q, paged_kv_cache)
+
+See ``SPEC.md`` for what is computed and ``docs/design.md`` for where.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from .api import CoSAPrefillWrapper, Plan, Stats, plan, run
+
+try:
+    __version__ = version("cosa")      # defined once, in csrc/include/cosa/cosa.h
+except PackageNotFoundError:           # imported from a source tree
+    __version__ = "unknown"
+__all__ = ["CoSAPrefillWrapper", "Plan", "Stats", "plan", "run", "cmake_prefix_path"]
+
+
+def cmake_prefix_path() -> str:
+    """Directory to put on ``CMAKE_PREFIX_PATH`` so that ``find_package(cosa)`` finds libcosa."""
+    return str(Path(__file__).resolve().parent)

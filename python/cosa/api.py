@@ -1,0 +1,332 @@
+"""FlashInfer-style API: ``plan`` once per batch shape, ``run`` per forward.
+
+``plan`` does the host work (argument checks, the C++ remap layer's block
+table and tile schedule, buffer carving); ``run`` computes the proxy's order
+mask and the attention. On a CUDA device with a kernel for the configuration
+``run`` launches the OSK kernel; otherwise it executes the exact reference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import _C
+from .blocks import num_blocks
+from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
+from .proxy import kap_order
+from .reference import ordered_skip_attention
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+_ALIGN = 256  # bytes between buffers carved from a workspace
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Block counts of one ``run``: per (query tile, query head), and summed."""
+
+    candidates: torch.Tensor  # [num_qtiles] key blocks a tile may see
+    selected: torch.Tensor    # [num_qtiles] blocks stage 1 lists (same for every head)
+    computed: torch.Tensor    # [num_qtiles, num_qo_heads] blocks the kernel computed
+    skipped: torch.Tensor     # [num_qtiles, num_qo_heads] blocks stage 2 skipped
+
+    @property
+    def computed_per_head(self) -> torch.Tensor:
+        return self.computed.sum(0)
+
+    @property
+    def skipped_per_head(self) -> torch.Tensor:
+        return self.skipped.sum(0)
+
+    @property
+    def density_stage1(self) -> float:
+        """Selected blocks over candidate blocks."""
+        return float(self.selected.sum()) / max(1, int(self.candidates.sum()))
+
+    @property
+    def density_stage2(self) -> float:
+        """Computed blocks over candidate blocks, all heads."""
+        heads = self.computed.shape[1] if self.computed.dim() == 2 else 1
+        return float(self.computed.sum()) / max(1, int(self.candidates.sum()) * heads)
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """Everything ``run`` needs that depends on the batch shape only. Built by :func:`plan`."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    kv_layout: str
+    causal: bool
+    budget: float
+    delta: float
+    sm_scale: float
+    force_local: bool
+    force_sink: bool
+    q_data_type: torch.dtype
+    kv_data_type: torch.dtype
+    device: torch.device
+    # host copies, so that run never synchronises
+    qo_indptr_host: tuple[int, ...]
+    kv_indptr_host: tuple[int, ...]
+    kv_lens_host: tuple[int, ...]
+    qtile_indptr_host: tuple[int, ...]
+    min_num_pages: int
+    k_max: int
+    # device tensors (int32)
+    kv_indices: torch.Tensor
+    qo_lens: torch.Tensor
+    kv_lens: torch.Tensor
+    kv_block_indptr: torch.Tensor
+    block_pages: torch.Tensor
+    qtiles: torch.Tensor
+    tile_order: torch.Tensor
+    # buffers written by run
+    order: torch.Tensor      # [num_qtiles, num_qo_heads, k_max]
+    computed: torch.Tensor   # [num_qtiles, num_qo_heads]
+    skipped: torch.Tensor    # [num_qtiles, num_qo_heads]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.kv_lens_host)
+
+    @property
+    def total_q(self) -> int:
+        return self.qo_indptr_host[-1]
+
+    @property
+    def num_qtiles(self) -> int:
+        return self.qtiles.shape[0]
+
+    def stats(self) -> Stats:
+        """Statistics of the latest ``run`` with this plan (synchronises)."""
+        return Stats(candidates=self.qtiles[:, _C.QT_NUM_CANDIDATES].cpu(),
+                     selected=self.qtiles[:, _C.QT_NUM_SELECTED].cpu(),
+                     computed=self.computed.cpu(), skipped=self.skipped.cpu())
+
+
+def _check_index_tensor(name: str, x, device: torch.device | None = None) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.dim() != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    if device is not None and x.device != device:
+        raise ValueError(f"{name} is on {x.device}, but kv_indices is on {device}")
+    return x
+
+
+def _check_positive_int(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, int):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < 1:
+        raise ValueError(f"{name} must be positive, got {x}")
+    return x
+
+
+def _carve(workspace: torch.Tensor | None, device: torch.device, shapes: list[tuple[int, ...]]):
+    """int32 buffers of the given shapes, cut from ``workspace`` or freshly allocated."""
+    if workspace is None:
+        return [torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes]
+    sizes = [math.prod(shape) * 4 for shape in shapes]
+    needed = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
+    if workspace.numel() < needed:
+        raise ValueError(f"workspace holds {workspace.numel()} bytes, this plan needs {needed}")
+    buffers, offset = [], 0
+    for shape, size in zip(shapes, sizes):
+        buffers.append(workspace[offset:offset + size].view(torch.int32).view(shape))
+        offset += -(-size // _ALIGN) * _ALIGN
+    return buffers
+
+
+def check_workspace(workspace) -> torch.Tensor:
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
+        raise ValueError("workspace must be a contiguous 1-D uint8 tensor")
+    return workspace
+
+
+def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+         kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+         page_size: int, *, causal: bool = True, budget: float = 0.25, delta: float = 0.05,
+         sm_scale: float | None = None, q_data_type: torch.dtype = torch.bfloat16,
+         kv_data_type: torch.dtype | None = None, kv_layout: str = "NHD",
+         force_local: bool = True, force_sink: bool = True,
+         workspace: torch.Tensor | None = None) -> Plan:
+    """Host work for one batch shape; see ``SPEC.md``. Index tensors are int32.
+
+    The plan lives on ``kv_indices``'s device (or the workspace's, when one is
+    given). ``budget`` is the stage-1 fraction ``b1`` of candidate key blocks,
+    ``delta`` the stage-2 knob (0 turns skipping off).
+    """
+    check_kv_layout(kv_layout)
+    _check_index_tensor("kv_indices", kv_indices)
+    device = kv_indices.device if workspace is None else check_workspace(workspace).device
+    for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                    ("kv_last_page_len", kv_last_page_len)):
+        _check_index_tensor(name, x, kv_indices.device)
+    _check_positive_int("num_qo_heads", num_qo_heads)
+    _check_positive_int("num_kv_heads", num_kv_heads)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    _check_positive_int("page_size", page_size)
+    for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type or q_data_type)):
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a float, got {type(budget).__name__}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < math.inf:
+        raise ValueError(f"delta must be a finite float >= 0, got {delta!r}")
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(head_dim)
+    elif not 0 < sm_scale < math.inf:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+
+    host = {name: x.cpu().numpy() for name, x in (
+        ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
+        ("kv_last_page_len", kv_last_page_len))}
+    # Page ids are checked against the cache in run; the plan does not see it.
+    tables = _C.build_plan(host["qo_indptr"], host["kv_indptr"], host["kv_indices"],
+                           host["kv_last_page_len"], num_pages=2**31 - 1, page_size=page_size,
+                           num_qo_heads=num_qo_heads, causal=bool(causal), budget=float(budget),
+                           force_local=bool(force_local), force_sink=bool(force_sink))
+    used_pages = host["kv_indices"][:host["kv_indptr"][-1]]
+    qtiles = tables["qtiles"]
+    k_max = tables["k_max"]
+    num_qtiles = qtiles.shape[0]
+    qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
+
+    order, computed, skipped = _carve(workspace, device, [
+        (num_qtiles, num_qo_heads, k_max), (num_qtiles, num_qo_heads), (num_qtiles, num_qo_heads)])
+
+    def to_device(array) -> torch.Tensor:
+        return torch.from_numpy(array).to(device)
+
+    return Plan(
+        num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        page_size=page_size, kv_layout=kv_layout, causal=bool(causal), budget=float(budget),
+        delta=float(delta), sm_scale=float(sm_scale), force_local=bool(force_local),
+        force_sink=bool(force_sink), q_data_type=q_data_type,
+        kv_data_type=kv_data_type or q_data_type, device=device,
+        qo_indptr_host=tuple(int(x) for x in host["qo_indptr"]),
+        kv_indptr_host=tuple(int(x) for x in host["kv_indptr"]),
+        kv_lens_host=tuple(int(x) for x in tables["kv_lens"]),
+        qtile_indptr_host=tuple(int(x) for x in qtile_indptr),
+        min_num_pages=int(used_pages.max()) + 1 if used_pages.size else 0,
+        k_max=k_max, kv_indices=kv_indices.to(device), qo_lens=to_device(tables["qo_lens"]),
+        kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
+        block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
+        tile_order=to_device(tables["tile_order"]), order=order, computed=computed, skipped=skipped)
+
+
+def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
+    if not isinstance(plan_, Plan):
+        raise TypeError(f"plan must be a cosa.Plan (from cosa.plan), got {type(plan_).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
+    if q.dtype != plan_.q_data_type:
+        raise TypeError(f"q is {q.dtype}, but the plan was made for q_data_type={plan_.q_data_type}")
+    expected = (plan_.total_q, plan_.num_qo_heads, plan_.head_dim)
+    if tuple(q.shape) != expected:
+        raise ValueError(f"q must have shape {expected} (total_q, num_qo_heads, head_dim), got {tuple(q.shape)}")
+    if q.device != plan_.device:
+        raise ValueError(f"q is on {q.device}, but the plan is on {plan_.device}")
+    k, v = split_kv_cache(paged_kv_cache, plan_.kv_layout)
+    if k.dtype != plan_.kv_data_type:
+        raise TypeError(f"paged_kv_cache is {k.dtype}, but the plan was made for kv_data_type={plan_.kv_data_type}")
+    if k.device != plan_.device:
+        raise ValueError(f"paged_kv_cache is on {k.device}, but the plan is on {plan_.device}")
+    geometry = cache_geometry(k, plan_.kv_layout)
+    for name in ("page_size", "num_kv_heads", "head_dim"):
+        if getattr(geometry, name) != getattr(plan_, name):
+            raise ValueError(f"paged_kv_cache has {name}={getattr(geometry, name)} in the {plan_.kv_layout} "
+                             f"layout, but the plan has {name}={getattr(plan_, name)}")
+    if geometry.num_pages < plan_.min_num_pages:
+        raise ValueError(f"paged_kv_cache has {geometry.num_pages} pages, but kv_indices refers to page "
+                         f"{plan_.min_num_pages - 1}")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
+                or out.device != q.device:
+            raise ValueError(f"out must be a tensor like q: shape {tuple(q.shape)}, {q.dtype}, on {q.device}")
+    if lse is not None:
+        if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:2] \
+                or lse.dtype != torch.float32 or lse.device != q.device:
+            raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
+    return k, v
+
+
+def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None, return_lse: bool = False):
+    """CoSA attention of ``q [total_q, num_qo_heads, head_dim]`` over the paged cache.
+
+    Returns ``o`` (q's dtype), or ``(o, lse)`` with ``return_lse=True``; ``lse``
+    is float32, the natural log of each row's softmax denominator over the
+    computed keys (``-inf`` for a row that computed none). Statistics of the
+    call are read with ``plan.stats()``.
+    """
+    k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
+    if out is None:
+        out = torch.empty_like(q)
+    if lse is None and return_lse:
+        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    for request in range(plan.batch_size):
+        q_rows = slice(plan.qo_indptr_host[request], plan.qo_indptr_host[request + 1])
+        if q_rows.start == q_rows.stop:
+            continue
+        qtile_rows = slice(plan.qtile_indptr_host[request], plan.qtile_indptr_host[request + 1])
+        pages = plan.kv_indices[plan.kv_indptr_host[request]:plan.kv_indptr_host[request + 1]]
+        kv_len = plan.kv_lens_host[request]
+        keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
+        values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
+        order = plan.order[qtile_rows]
+        kap_order(q[q_rows], keys, plan.qtiles[qtile_rows], order,
+                  force_local=plan.force_local, force_sink=plan.force_sink)
+        o, row_lse, computed, skipped = ordered_skip_attention(
+            q[q_rows], keys, values, order, causal=plan.causal, sm_scale=plan.sm_scale,
+            delta=plan.delta)
+        out[q_rows] = o
+        if lse is not None:
+            lse[q_rows] = row_lse
+        plan.computed[qtile_rows] = computed
+        plan.skipped[qtile_rows] = skipped
+    return (out, lse) if return_lse else out
+
+
+class CoSAPrefillWrapper:
+    """FlashInfer-style wrapper: ``plan`` then ``run`` (any number of times).
+
+    ``workspace`` is a 1-D uint8 tensor on the device the plans live on; its
+    bytes hold the order mask and statistics, so ``run`` allocates none of them.
+    """
+
+    def __init__(self, workspace: torch.Tensor, kv_layout: str = "NHD"):
+        self._workspace = check_workspace(workspace)
+        self._kv_layout = check_kv_layout(kv_layout)
+        self._plan: Plan | None = None
+
+    def plan(self, qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads, num_kv_heads,
+             head_dim, page_size, **options) -> None:
+        self._plan = plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, num_qo_heads,
+                          num_kv_heads, head_dim, page_size, kv_layout=self._kv_layout,
+                          workspace=self._workspace, **options)
+
+    def _planned(self) -> Plan:
+        if self._plan is None:
+            raise RuntimeError("CoSAPrefillWrapper.run called before plan")
+        return self._plan
+
+    def run(self, q, paged_kv_cache, **options):
+        return run(self._planned(), q, paged_kv_cache, **options)
+
+    def stats(self) -> Stats:
+        return self._planned().stats()

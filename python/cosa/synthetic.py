@@ -1,0 +1,70 @@
+"""Structured attention inputs for demos, tests and benchmarks.
+
+I.i.d. noise spreads attention evenly, so no block is negligible and no
+sparse method looks good or bad for the right reasons. These inputs have the
+structure of real long-context attention: RoPE-rotated queries and keys that
+share a per-head direction (attention decays with distance: local windows), an
+attention sink at position 0, and topics: the sequence is cut into segments,
+each about one of a few recurring topics, and a query attends to the earlier
+segments about its own topic (far, block-coherent attention, as when a model
+looks back at a related passage).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (rotate-half convention) of ``x [n, heads, d]`` at ``positions [n]``."""
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-torch.arange(half, dtype=torch.float64, device=x.device) / half)
+    angle = positions.to(torch.float64)[:, None] * inv_freq[None, :]
+    cos, sin = angle.cos()[:, None, :].to(x.dtype), angle.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def structured_qkv(seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, *,
+                   q_len: int | None = None, local_strength: float = 14.0, sink_strength: float = 20.0,
+                   topic_strength: float = 10.0, num_topics: int = 8, segment_len: int = 384,
+                   noise: float = 0.3,
+                   generator: torch.Generator | None = None, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu"):
+    """Post-RoPE ``q [q_len, hq, d]`` (the last ``q_len`` positions, default all)
+    and ``k, v [seq_len, hkv, d]`` of one request.
+
+    The strengths are logit gains in nats (the softmax scale ``1/sqrt(d)`` is
+    folded in) of the local, sink and topic components; ``noise`` scales the
+    isotropic part of every query and key.
+    """
+    q_len = seq_len if q_len is None else q_len
+    group = num_qo_heads // num_kv_heads
+    root_d = math.sqrt(head_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64)
+
+    def directions(count, strength):
+        x = randn(count, num_kv_heads, head_dim)
+        return x / x.norm(dim=-1, keepdim=True) * math.sqrt(strength * root_d)
+
+    def per_query_head(x):
+        return x.repeat_interleave(group, dim=-2)
+
+    positions = torch.arange(seq_len)
+    local = directions(1, local_strength)
+    sink = directions(1, sink_strength)[0]
+    topics = directions(num_topics, topic_strength)
+    topic_of = topics[torch.randint(num_topics, (-(-seq_len // segment_len),), generator=generator)]
+    topic_at = topic_of.repeat_interleave(segment_len, dim=0)[:seq_len]        # [n, hkv, d]
+
+    k = rope(local.expand(seq_len, -1, -1), positions) + topic_at + noise * randn(seq_len, num_kv_heads, head_dim)
+    k[0] += sink
+    q = rope(per_query_head(local).expand(seq_len, -1, -1), positions) + per_query_head(topic_at + sink)
+    q = q[seq_len - q_len:] + noise * randn(q_len, num_qo_heads, head_dim)
+    v = randn(seq_len, num_kv_heads, head_dim)
+    return (q.to(dtype=dtype, device=device), k.to(dtype=dtype, device=device),
+            v.to(dtype=dtype, device=device))

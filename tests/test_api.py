@@ -1,0 +1,179 @@
+"""cosa.plan / cosa.run / CoSAPrefillWrapper: behaviour and every argument check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cosa
+from batch import make_batch
+
+HQ, HKV, D, PAGE = 4, 2, 64, 16
+
+
+@pytest.fixture
+def batch():
+    return make_batch([100, 40], [300, 40], HQ, HKV, D, PAGE, dtype=torch.bfloat16,
+                      generator=torch.Generator().manual_seed(torch.seed()))
+
+
+def plan_args(batch):
+    return [batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE]
+
+
+def test_wrapper_matches_functions_and_fills_the_workspace(batch):
+    workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    wrapper = cosa.CoSAPrefillWrapper(workspace, kv_layout="NHD")
+    wrapper.plan(*plan_args(batch), budget=0.5, delta=0.05)
+    o_wrapper, lse_wrapper = wrapper.run(batch.q, batch.cache, return_lse=True)
+    assert workspace.any(), "the order mask lives in the workspace"
+    plan = cosa.plan(*plan_args(batch), budget=0.5, delta=0.05)
+    o, lse = cosa.run(plan, batch.q, batch.cache, return_lse=True)
+    torch.testing.assert_close(o_wrapper, o, rtol=0, atol=0)
+    torch.testing.assert_close(lse_wrapper, lse, rtol=0, atol=0)
+    assert wrapper.stats().computed.tolist() == plan.stats().computed.tolist()
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+
+
+def test_stats_count_blocks_per_head_and_tile(batch):
+    plan = cosa.plan(*plan_args(batch), budget=0.5, delta=0.5)
+    cosa.run(plan, batch.q, batch.cache)
+    stats = plan.stats()
+    assert stats.computed.shape == stats.skipped.shape == (plan.num_qtiles, HQ)
+    assert (stats.computed >= 1).all(), "the first visited block is always computed"
+    assert ((stats.computed + stats.skipped) == stats.selected[:, None]).all()
+    assert stats.computed_per_head.tolist() == stats.computed.sum(0).tolist()
+    assert 0 < stats.density_stage2 <= stats.density_stage1 <= 1
+
+
+def test_empty_batch_runs():
+    batch = make_batch([0, 0], [0, 5], HQ, HKV, D, PAGE)
+    plan = cosa.plan(*plan_args(batch), q_data_type=torch.float64)
+    o = cosa.run(plan, batch.q, batch.cache)
+    assert o.shape == (0, HQ, D) and plan.k_max == 0
+
+
+def expect(error, match):
+    return pytest.raises(error, match=match)
+
+
+def test_run_before_plan_raises(batch):
+    wrapper = cosa.CoSAPrefillWrapper(torch.empty(1024, dtype=torch.uint8))
+    with expect(RuntimeError, "before plan"):
+        wrapper.run(batch.q, batch.cache)
+    with expect(RuntimeError, "before plan"):
+        wrapper.stats()
+
+
+def test_workspace_checks(batch):
+    with expect(TypeError, "workspace"):
+        cosa.CoSAPrefillWrapper([0] * 10)
+    with expect(ValueError, "workspace"):
+        cosa.CoSAPrefillWrapper(torch.empty(10, dtype=torch.float32))
+    wrapper = cosa.CoSAPrefillWrapper(torch.empty(16, dtype=torch.uint8))
+    with expect(ValueError, "workspace"):
+        wrapper.plan(*plan_args(batch))
+    with expect(ValueError, "kv_layout"):
+        cosa.CoSAPrefillWrapper(torch.empty(16, dtype=torch.uint8), kv_layout="NDH")
+
+
+@pytest.mark.parametrize("position,name", [(0, "qo_indptr"), (1, "kv_indptr"), (2, "kv_indices"),
+                                           (3, "kv_last_page_len")])
+def test_index_tensors_must_be_int32_1d_tensors(batch, position, name):
+    args = plan_args(batch)
+    args[position] = args[position].long()
+    with expect(TypeError, name):
+        cosa.plan(*args)
+    args[position] = plan_args(batch)[position].tolist()
+    with expect(TypeError, name):
+        cosa.plan(*args)
+    args[position] = plan_args(batch)[position][None]
+    with expect(ValueError, name):
+        cosa.plan(*args)
+    args[position] = plan_args(batch)[position].to("meta")
+    with expect(ValueError, name):
+        cosa.plan(*args)
+
+
+def corrupt(batch, name, values):
+    args = plan_args(batch)
+    position = ["qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"].index(name)
+    args[position] = torch.tensor(values, dtype=torch.int32)
+    return args
+
+
+def test_page_table_content_checks(batch):
+    pages = batch.kv_indptr.tolist()
+    with expect(ValueError, "kv_indptr"):
+        cosa.plan(*corrupt(batch, "kv_indptr", [0, pages[2], pages[1]]))
+    with expect(ValueError, "qo_indptr"):
+        cosa.plan(*corrupt(batch, "qo_indptr", [0, 120, 100]))
+    with expect(ValueError, "kv_indices"):
+        cosa.plan(*corrupt(batch, "kv_indices", [-1] + batch.kv_indices.tolist()[1:]))
+    with expect(ValueError, "kv_last_page_len"):
+        cosa.plan(*corrupt(batch, "kv_last_page_len", [PAGE + 1, 8]))
+    with expect(ValueError, "kv_last_page_len"):
+        cosa.plan(*corrupt(batch, "kv_last_page_len", [0, 8]))
+    with expect(ValueError, "qo_indptr"):          # 200 causal queries over 40 keys
+        cosa.plan(*corrupt(batch, "qo_indptr", [0, 100, 300]))
+
+
+def test_page_index_beyond_the_cache_is_caught_in_run(batch):
+    args = corrupt(batch, "kv_indices", [batch.kv_indices.tolist()[0] + 1000] + batch.kv_indices.tolist()[1:])
+    plan = cosa.plan(*args, q_data_type=torch.bfloat16)
+    with expect(ValueError, "kv_indices"):
+        cosa.run(plan, batch.q, batch.cache)
+
+
+def test_scalar_checks(batch):
+    args = plan_args(batch)
+    with expect(ValueError, "num_qo_heads"):
+        cosa.plan(*args[:4], 6, 4, D, PAGE)
+    with expect(ValueError, "num_kv_heads"):
+        cosa.plan(*args[:4], 4, 0, D, PAGE)
+    with expect(TypeError, "num_qo_heads"):
+        cosa.plan(*args[:4], 4.0, 2, D, PAGE)
+    with expect(ValueError, "head_dim"):
+        cosa.plan(*args[:6], 96, PAGE)
+    with expect(ValueError, "page_size"):
+        cosa.plan(*args[:7], 24)
+    with expect(ValueError, "budget"):
+        cosa.plan(*args, budget=0.0)
+    with expect(ValueError, "budget"):
+        cosa.plan(*args, budget=1.5)
+    with expect(ValueError, "delta"):
+        cosa.plan(*args, delta=-0.1)
+    with expect(ValueError, "sm_scale"):
+        cosa.plan(*args, sm_scale=0.0)
+    with expect(TypeError, "q_data_type"):
+        cosa.plan(*args, q_data_type=torch.int8)
+    with expect(ValueError, "kv_layout"):
+        cosa.plan(*args, kv_layout="nhd")
+
+
+def test_run_argument_checks(batch):
+    plan = cosa.plan(*plan_args(batch), q_data_type=torch.bfloat16)
+    with expect(TypeError, "plan"):
+        cosa.run("plan", batch.q, batch.cache)
+    with expect(TypeError, "q"):
+        cosa.run(plan, batch.q.float(), batch.cache)
+    with expect(ValueError, "q must have shape"):
+        cosa.run(plan, batch.q[:-1], batch.cache)
+    with expect(ValueError, "q is on"):
+        cosa.run(plan, batch.q.to("meta"), batch.cache)
+    with expect(TypeError, "paged_kv_cache"):
+        cosa.run(plan, batch.q, batch.cache.float())
+    with expect(ValueError, "paged_kv_cache"):
+        cosa.run(plan, batch.q, batch.cache[:, :1])
+    with expect(ValueError, "paged_kv_cache"):
+        cosa.run(plan, batch.q, (batch.cache[:, 0], batch.cache[:, 1, :, :1]))
+    with expect(TypeError, "paged_kv_cache"):
+        cosa.run(plan, batch.q, "cache")
+    with expect(ValueError, "page_size"):        # an HND cache read as NHD
+        cosa.run(plan, batch.q, batch.cache.transpose(2, 3))
+    with expect(ValueError, "out"):
+        cosa.run(plan, batch.q, batch.cache, out=torch.empty_like(batch.q[:-1]))
+    with expect(ValueError, "lse"):
+        cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:2], dtype=torch.float64))
+    with expect(ValueError, "lse"):
+        cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:1]))
