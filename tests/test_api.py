@@ -177,3 +177,24 @@ def test_run_argument_checks(batch):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:2], dtype=torch.float64))
     with expect(ValueError, "lse"):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:1]))
+
+
+def test_calibrated_delta_reaches_the_target_density():
+    from cosa.calibrate import calibrate_delta
+    from cosa.synthetic import structured_qkv
+    g = torch.Generator().manual_seed(torch.seed())
+    structured = lambda r, q_len, kv_len: structured_qkv(kv_len, HQ, HKV, D, q_len=q_len, generator=g)  # noqa: E731
+    batch = make_batch([1024], [1024], HQ, HKV, D, PAGE, dtype=torch.float32, generator=g, qkv=structured)
+    plan = cosa.plan(*plan_args(batch), budget=0.5, delta=0.0, q_data_type=torch.float32)
+    cosa.run(plan, batch.q, batch.cache)
+    target = 0.8 * plan.stats().density_stage2
+    delta = calibrate_delta(plan, batch.q, batch.cache, target)
+    assert plan.delta == 0.0, "the plan is left as it was"
+    tuned = cosa.plan(*plan_args(batch), budget=0.5, delta=delta, q_data_type=torch.float32)
+    cosa.run(tuned, batch.q, batch.cache)
+    assert tuned.stats().density_stage2 <= target
+    looser = cosa.plan(*plan_args(batch), budget=0.5, delta=delta / 1.01, q_data_type=torch.float32)
+    cosa.run(looser, batch.q, batch.cache)
+    assert looser.stats().density_stage2 > target
+    with pytest.raises(ValueError, match="target_density"):
+        calibrate_delta(plan, batch.q, batch.cache, 1e-6)
