@@ -17,7 +17,7 @@ import torch
 from . import _C
 from .blocks import num_blocks
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
-from .proxy import kap_order
+from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -69,6 +69,7 @@ class Plan:
     sm_scale: float
     force_local: bool
     force_sink: bool
+    proxy: str               # stage-1 scorer, a key of cosa.proxy.PROXIES
     q_data_type: torch.dtype
     kv_data_type: torch.dtype
     device: torch.device
@@ -159,15 +160,17 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
          page_size: int, *, causal: bool = True, budget: float = 0.25, delta: float = 0.05,
          sm_scale: float | None = None, q_data_type: torch.dtype = torch.bfloat16,
          kv_data_type: torch.dtype | None = None, kv_layout: str = "NHD",
-         force_local: bool = True, force_sink: bool = True,
+         force_local: bool = True, force_sink: bool = True, proxy: str = "kap",
          workspace: torch.Tensor | None = None) -> Plan:
     """Host work for one batch shape; see ``SPEC.md``. Index tensors are int32.
 
     The plan lives on ``kv_indices``'s device (or the workspace's, when one is
     given). ``budget`` is the stage-1 fraction ``b1`` of candidate key blocks,
-    ``delta`` the stage-2 knob (0 turns skipping off).
+    ``delta`` the stage-2 knob (0 turns skipping off), ``proxy`` the stage-1
+    scorer (``cosa.proxy.PROXIES``; CoSA's own is ``"kap"``).
     """
     check_kv_layout(kv_layout)
+    check_proxy(proxy)
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
@@ -216,7 +219,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=page_size, kv_layout=kv_layout, causal=bool(causal), budget=float(budget),
         delta=float(delta), sm_scale=float(sm_scale), force_local=bool(force_local),
-        force_sink=bool(force_sink), q_data_type=q_data_type,
+        force_sink=bool(force_sink), proxy=proxy, q_data_type=q_data_type,
         kv_data_type=kv_data_type or q_data_type, device=device,
         qo_indptr_host=tuple(int(x) for x in host["qo_indptr"]),
         kv_indptr_host=tuple(int(x) for x in host["kv_indptr"]),
@@ -289,8 +292,9 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
         values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
         order = plan.order[qtile_rows]
-        kap_order(q[q_rows], keys, plan.qtiles[qtile_rows], order,
-                  force_local=plan.force_local, force_sink=plan.force_sink)
+        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], order, proxy=plan.proxy,
+                    causal=plan.causal, sm_scale=plan.sm_scale, force_local=plan.force_local,
+                    force_sink=plan.force_sink)
         o, row_lse, computed, skipped = ordered_skip_attention(
             q[q_rows], keys, values, order, causal=plan.causal, sm_scale=plan.sm_scale,
             delta=plan.delta)

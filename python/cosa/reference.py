@@ -53,7 +53,8 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
 
 
 def ordered_skip_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, order: torch.Tensor,
-                           *, causal: bool, sm_scale: float, delta: float):
+                           *, causal: bool, sm_scale: float, delta: float,
+                           visited: torch.Tensor | None = None):
     """SPEC stage 2 for one request.
 
     ``order [tiles, hq, k_max]`` lists each (query tile, head)'s key blocks in
@@ -61,7 +62,8 @@ def ordered_skip_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, or
     when, over the tile's valid rows, the largest ``mloc - m`` (block row max
     minus running max, scaled logits) is below ``ln(delta / kv_len)``; a row
     with no visible key in the block wants to skip. Returns ``(o, lse,
-    computed [tiles, hq], skipped [tiles, hq])``.
+    computed [tiles, hq], skipped [tiles, hq])``. ``visited``, a bool tensor
+    shaped like ``order``, receives which listed blocks were computed (for studies).
     """
     q_len, num_qo_heads, d = q.shape
     kv_len, num_kv_heads, _ = k.shape
@@ -108,6 +110,8 @@ def ordered_skip_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, or
         acc = torch.where(visit[..., None, None], acc * rescale[..., None] + p @ values, acc)
         m = m_new
         computed += visit
+        if visited is not None:
+            visited[..., step] = visit.T
         skipped += listed & skip
 
     o = torch.where(l[..., None] > 0, acc / l[..., None], 0.0)

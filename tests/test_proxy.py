@@ -1,0 +1,142 @@
+"""The alternative stage-1 proxies against small float64 models of their scoring, written here.
+
+Each model scores one (query tile, head) at a time from the proxy's published
+recipe; the library's order mask must rank the non-forced candidates by it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cosa
+from cosa.proxy import PROXIES, cumulative_threshold_counts
+from cosa.synthetic import structured_qkv
+
+import oracle
+from batch import make_batch
+
+BLOCK = 128
+HQ, HKV, D, PAGE = 4, 2, 64, 32
+
+
+def xattention_model(q, k, tile, h, causal, sm_scale, stride):
+    q_len, kv_len = q.shape[0], k.shape[0]
+    kh = h // (q.shape[1] // k.shape[1])
+    padded_k = torch.zeros(-(-kv_len // BLOCK) * BLOCK, D, dtype=torch.float64)
+    padded_k[:kv_len] = k[:, kh]
+    scores = torch.zeros(padded_k.shape[0] // BLOCK, dtype=torch.float64)
+    for start in range(tile * BLOCK, min(tile * BLOCK + BLOCK, q_len), stride):
+        last = min(start + stride - 1, q_len - 1)
+        logits, blocks = [], []
+        for key_start in range(0, kv_len, stride):
+            if causal and key_start > kv_len - q_len + last:
+                break
+            antidiagonal = sum(float(q[start + stride - 1 - s, h] @ padded_k[key_start + s])
+                               for s in range(stride) if start + stride - 1 - s < q_len)
+            logits.append(antidiagonal * sm_scale / stride)
+            blocks.append(key_start // BLOCK)
+        for p, j in zip(torch.softmax(torch.tensor(logits, dtype=torch.float64), 0), blocks):
+            scores[j] += p
+    return scores
+
+
+def flexprefill_model(q, k, tile, h, causal, sm_scale, candidates):
+    kh = h // (q.shape[1] // k.shape[1])
+    qbar = q[tile * BLOCK:tile * BLOCK + BLOCK, h].mean(0)
+    logits = [float(qbar @ k[j * BLOCK:j * BLOCK + BLOCK, kh].mean(0)) * sm_scale for j in range(candidates)]
+    scores = torch.zeros(-(-k.shape[0] // BLOCK), dtype=torch.float64)
+    scores[:candidates] = torch.softmax(torch.tensor(logits, dtype=torch.float64), 0)
+    return scores
+
+
+def vertical_slash_model(q, k, tile, h, causal, sm_scale, last_q=64):
+    q_len, kv_len = q.shape[0], k.shape[0]
+    kh = h // (q.shape[1] // k.shape[1])
+    last = min(last_q, q_len)
+    positions = [kv_len - q_len + t for t in range(q_len - last, q_len)]
+    vertical = torch.zeros(kv_len, dtype=torch.float64)
+    slash = {}                                          # distance -> mass
+    for t, pos in zip(range(q_len - last, q_len), positions):
+        visible = range(pos + 1) if causal else range(kv_len)
+        probabilities = torch.softmax(torch.stack([q[t, h] @ k[j, kh] for j in visible]) * sm_scale, 0)
+        for j, p in zip(visible, probabilities.tolist()):
+            vertical[j] += p
+            slash[pos - j] = slash.get(pos - j, 0.0) + p
+    rows = range(tile * BLOCK, min(tile * BLOCK + BLOCK, q_len))
+    distance = torch.tensor([[kv_len - q_len + t - j for j in range(kv_len)] for t in rows])
+    table = torch.zeros(2 * kv_len, dtype=torch.float64)
+    for dist, mass in slash.items():
+        table[dist + kv_len] = mass
+    per_key = vertical + table[distance + kv_len].mean(0)
+    return torch.nn.functional.pad(per_key, (0, -kv_len % BLOCK)).view(-1, BLOCK).sum(1)
+
+
+def model_scores(proxy, q, k, tile, h, causal, sm_scale, candidates):
+    if proxy.startswith("xattention"):
+        return xattention_model(q, k, tile, h, causal, sm_scale, int(proxy.removeprefix("xattention")))
+    if proxy == "flexprefill":
+        return flexprefill_model(q, k, tile, h, causal, sm_scale, candidates)
+    return vertical_slash_model(q, k, tile, h, causal, sm_scale)
+
+
+@pytest.mark.parametrize("proxy", ["xattention8", "xattention16", "flexprefill", "vertical_slash"])
+@pytest.mark.parametrize("q_len,kv_len", [(300, 700), (200, 200)])
+def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len):
+    g = torch.Generator().manual_seed(torch.seed())
+    structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
+        kv_len, HQ, HKV, D, q_len=q_len, segment_len=96, generator=g, dtype=torch.float64)
+    batch = make_batch([q_len], [kv_len], HQ, HKV, D, PAGE, generator=g, qkv=structured)
+    plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                     HQ, HKV, D, PAGE, budget=0.4, delta=0.0, q_data_type=torch.float64, proxy=proxy)
+    assert plan.proxy == proxy
+    cosa.run(plan, batch.q, batch.cache)
+    q, k, _ = batch.requests[0]
+    sm_scale = 1 / math.sqrt(D)
+    schedule = oracle.tile_schedule(q_len, kv_len, True, 0.4, True, True)
+    scores = PROXIES[proxy](q, k, plan.qtiles, causal=True, sm_scale=sm_scale)
+    for i, (candidates, local, selected) in enumerate(schedule):
+        for h in range(HQ):
+            want = model_scores(proxy, q, k, i, h, True, sm_scale, candidates)
+            torch.testing.assert_close(scores[h, i, :candidates], want[:candidates], rtol=1e-9, atol=1e-12)
+            forced = local + ([0] if 0 not in local else [])
+            rest = sorted((j for j in range(candidates) if j not in forced),
+                          key=lambda j: (float(want[j]), j), reverse=True)
+            assert plan.order[i, h, :selected].tolist() == (forced + rest)[:selected]
+            assert (plan.order[i, h, selected:] == -1).all()
+
+
+def test_proxies_disagree_somewhere_and_full_budget_is_dense_for_all():
+    g = torch.Generator().manual_seed(torch.seed())
+    structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
+        kv_len, HQ, HKV, D, q_len=q_len, segment_len=96, generator=g, dtype=torch.float64)
+    batch = make_batch([1024], [2048], HQ, HKV, D, PAGE, generator=g, qkv=structured)
+    args = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    orders = {}
+    q, k, v = batch.requests[0]
+    dense, _ = oracle.dense(q, k, v, 1024, 2048, True, 1 / math.sqrt(D))
+    for proxy in PROXIES:
+        plan = cosa.plan(*args, budget=0.5, delta=0.0, q_data_type=torch.float64, proxy=proxy)
+        cosa.run(plan, batch.q, batch.cache)
+        orders[proxy] = plan.order.clone()
+        full = cosa.plan(*args, budget=1.0, delta=0.0, q_data_type=torch.float64, proxy=proxy)
+        torch.testing.assert_close(cosa.run(full, batch.q, batch.cache), dense, rtol=1e-10, atol=1e-10)
+    assert torch.equal(orders["kap"], orders["flexprefill"]), "a softmax keeps the pooled ranking"
+    assert not torch.equal(orders["kap"], orders["xattention8"])
+    assert not torch.equal(orders["kap"], orders["vertical_slash"])
+
+
+def test_plan_rejects_an_unknown_proxy():
+    batch = make_batch([10], [10], HQ, HKV, D, PAGE)
+    with pytest.raises(ValueError, match="proxy must be one of"):
+        cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
+                  HQ, HKV, D, PAGE, proxy="oracle")
+
+
+def test_cumulative_threshold_counts():
+    probabilities = torch.tensor([[0.2, 0.5, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    assert cumulative_threshold_counts(probabilities, 0.79).tolist() == [2, 4]
+    assert cumulative_threshold_counts(probabilities, 0.81).tolist() == [3, 4]
+    assert cumulative_threshold_counts(probabilities, 0.5).tolist() == [1, 2]
