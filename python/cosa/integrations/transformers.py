@@ -1,0 +1,121 @@
+"""CoSA as a transformers attention implementation (Llama, Qwen2/Qwen3, Mistral, ...).
+
+    import cosa.integrations.transformers as cosa_hf
+    cosa_hf.register(budget=0.25, delta=0.05)          # once; options apply to every layer
+    model.set_attn_implementation("cosa")               # or from_pretrained(..., attn_implementation="cosa")
+
+Prefill steps (more than one query row, no padding, plain causal masking) run
+:func:`cosa.run` on a paged copy of the layer's K/V: on the GPU the OSK kernel,
+on the CPU the exact reference. Everything else (decode steps, padded batches,
+sliding windows, other mask overlays) runs dense SDPA. The latest plan of each
+layer is kept as ``module.cosa_plan`` for its statistics.
+
+:func:`capture_qkv` records the post-RoPE queries, keys and values of every
+layer of one forward pass, for accuracy studies (``cosa.eval``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+
+from ..api import plan, run
+from ..blocks import BLOCK, num_blocks
+
+NAME = "cosa"
+_CAPTURE_NAME = "cosa_capture"
+_options: dict = {}                 # plan options set by register()
+_captured: list | None = None       # (q, k, v) per layer while capture_qkv runs
+
+
+def register(**plan_options) -> None:
+    """Registers ``"cosa"`` with transformers; ``plan_options`` (``budget``,
+    ``delta``, ``proxy``, ``force_local``, ``force_sink``) go to every
+    :func:`cosa.plan`. Calling it again replaces the options."""
+    _options.clear()
+    _options.update(plan_options)
+    for name, forward in ((NAME, cosa_attention_forward), (_CAPTURE_NAME, _capture_attention_forward)):
+        AttentionInterface.register(name, forward)
+        AttentionMaskInterface.register(name, _causal_mask_or_none)
+
+
+def _causal_mask_or_none(**kwargs):
+    """No mask where plain bottom-right causal attention is meant (CoSA's own
+    semantics, any q_len <= kv_len); SDPA's mask otherwise, which sends the
+    step to dense attention."""
+    padding = kwargs.get("attention_mask")
+    if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None
+            and not kwargs.get("kv_offset") and (padding is None or bool(padding.all()))):
+        return None
+    return sdpa_mask(**kwargs)
+
+
+def _paged(x: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, n, d]`` as NHD pages of one block: ``[B * blocks, 128, H, d]`` (zero-padded)."""
+    batch, heads, n, d = x.shape
+    pages = x.new_zeros(batch, num_blocks(n) * BLOCK, heads, d)
+    pages[:, :n] = x.transpose(1, 2)
+    return pages.view(-1, BLOCK, heads, d)
+
+
+def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                           value: torch.Tensor, attention_mask: torch.Tensor | None,
+                           scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    """transformers' attention signature: ``query [B, Hq, q, d]``, ``key/value
+    [B, Hkv, kv, d]`` (cache included); returns ``([B, q, Hq, d], None)``."""
+    batch, num_qo_heads, q_len, head_dim = query.shape
+    num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    if q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    device = query.device
+    pages = num_blocks(kv_len)
+    cache_key = (batch, q_len, kv_len, query.dtype, key.dtype, device, tuple(sorted(_options.items())))
+    plan_ = getattr(module, "cosa_plan", None)
+    if getattr(module, "_cosa_plan_key", None) != cache_key:
+        step = lambda n: torch.arange(batch + 1, dtype=torch.int32, device=device) * n  # noqa: E731
+        plan_ = plan(step(q_len), step(pages), torch.arange(batch * pages, dtype=torch.int32, device=device),
+                     torch.full((batch,), kv_len - (pages - 1) * BLOCK, dtype=torch.int32, device=device),
+                     num_qo_heads, num_kv_heads, head_dim, BLOCK, causal=True, sm_scale=scaling,
+                     q_data_type=query.dtype, kv_data_type=key.dtype, **_options)
+        module.cosa_plan, module._cosa_plan_key = plan_, cache_key
+    q = query.transpose(1, 2).reshape(batch * q_len, num_qo_heads, head_dim)
+    o = run(plan_, q, (_paged(key), _paged(value)))
+    return o.view(batch, q_len, num_qo_heads, head_dim), None
+
+
+def _capture_attention_forward(module, query, key, value, attention_mask, **kwargs):
+    _captured.append(tuple(x[0].transpose(0, 1).float().cpu() for x in (query, key, value)))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """Runs the body with ``model`` switched to attention implementation ``name``."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@torch.no_grad()
+def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Post-RoPE ``(q [n, Hq, d], k [n, Hkv, d], v [n, Hkv, d])`` float32 on the CPU, per layer,
+    from one dense forward pass of ``input_ids [1, n]``."""
+    global _captured
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"capture_qkv takes one sequence, got a batch of {input_ids.shape[0]}")
+    register(**_options)
+    _captured = []
+    try:
+        with attention_implementation(model, _CAPTURE_NAME):
+            model(input_ids.to(model.device), use_cache=False)
+        return _captured
+    finally:
+        _captured = None

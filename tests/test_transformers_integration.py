@@ -1,0 +1,89 @@
+"""CoSA inside a tiny randomly initialised Llama: full budget equals dense attention.
+
+The model runs in float64; SDPA keeps that precision, eager attention takes its
+softmax in float32, hence the two tolerances.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+cosa_hf = pytest.importorskip("cosa.integrations.transformers")
+
+from cosa.reference import dense_attention  # noqa: E402
+
+
+def tiny_llama(seed, attn_implementation="sdpa"):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=64, max_position_embeddings=2048,
+                                      attn_implementation=attn_implementation)
+    return transformers.LlamaForCausalLM(config).eval().double()
+
+
+@pytest.fixture
+def model_and_ids():
+    seed = torch.seed()
+    ids = torch.randint(512, (2, 333), generator=torch.Generator().manual_seed(seed))
+    return tiny_llama(seed % 2**31), ids
+
+
+@torch.no_grad()
+def test_full_budget_prefill_and_decode_equal_dense(model_and_ids):
+    model, ids = model_and_ids
+    dense = model(ids).logits
+    model.set_attn_implementation("eager")
+    eager = model(ids).logits
+    cosa_hf.register(budget=1.0, delta=0.0)
+    model.set_attn_implementation("cosa")
+    logits = model(ids).logits
+    torch.testing.assert_close(logits, dense, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(logits, eager, rtol=1e-5, atol=1e-5)
+    assert model.model.layers[1].self_attn.cosa_plan.stats().density_stage2 == 1.0
+    generated = model.generate(ids[:1], max_new_tokens=4, do_sample=False)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(generated, model.generate(ids[:1], max_new_tokens=4, do_sample=False))
+
+
+@torch.no_grad()
+def test_sparse_prefill_changes_the_logits_and_reports_density(model_and_ids):
+    model, ids = model_and_ids
+    eager = model(ids[:, :300]).logits
+    cosa_hf.register(budget=0.1, delta=0.05, force_sink=False)
+    model.set_attn_implementation("cosa")
+    sparse = model(ids[:, :300]).logits
+    stats = model.model.layers[0].self_attn.cosa_plan.stats()
+    assert stats.density_stage1 < 1.0
+    assert not torch.allclose(sparse, eager)
+
+
+@torch.no_grad()
+def test_padded_batches_fall_back_to_dense(model_and_ids):
+    model, ids = model_and_ids
+    mask = torch.ones_like(ids)
+    mask[1, -5:] = 0
+    dense = model(ids, attention_mask=mask).logits
+    cosa_hf.register(budget=0.1, delta=0.05)
+    model.set_attn_implementation("cosa")
+    torch.testing.assert_close(model(ids, attention_mask=mask).logits[:, :-5], dense[:, :-5],
+                               rtol=1e-9, atol=1e-9)
+
+
+@torch.no_grad()
+def test_capture_qkv_records_what_attention_read(model_and_ids):
+    model, ids = model_and_ids
+    attention_inputs = []
+    hooks = [layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: attention_inputs.append(args[0]))
+             for layer in model.model.layers]
+    captured = cosa_hf.capture_qkv(model, ids[:1])
+    for hook in hooks:
+        hook.remove()
+    assert model.config._attn_implementation == "sdpa", "the model's implementation is restored"
+    assert len(captured) == 2
+    for (q, k, v), o_proj_input in zip(captured, attention_inputs):
+        assert q.shape == (333, 4, 64) and k.shape == v.shape == (333, 2, 64)
+        o, _ = dense_attention(q.double(), k.double(), v.double(), causal=True, sm_scale=64 ** -0.5)
+        torch.testing.assert_close(o.reshape(1, 333, 256), o_proj_input.double(), rtol=1e-5, atol=1e-5)
