@@ -70,3 +70,21 @@ def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_le
     if kv_layout == "HND":
         rows = rows.transpose(1, 2)
     return rows.reshape(-1, rows.shape[-2], rows.shape[-1])[:kv_len]
+
+
+def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Contiguous ``x [..., n, heads, d]`` (each leading index one request) as a zero-padded NHD
+    page cache ``[requests * ceil(n / page_size), page_size, heads, d]``, pages in request order."""
+    n, heads, d = x.shape[-3:]
+    requests = x.reshape(-1, n, heads, d)
+    pages = requests.new_zeros(requests.shape[0], -(-n // page_size) * page_size, heads, d)
+    pages[:, :n] = requests
+    return pages.view(-1, page_size, heads, d)
+
+
+def uniform_page_table(batch: int, q_len: int, kv_len: int, page_size: int, device) -> tuple[torch.Tensor, ...]:
+    """``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` of ``batch`` equal requests laid out by :func:`to_pages`."""
+    pages = -(-kv_len // page_size)
+    step = torch.arange(batch + 1, dtype=torch.int32, device=device)
+    return (step * q_len, step * pages, torch.arange(batch * pages, dtype=torch.int32, device=device),
+            torch.full((batch,), kv_len - (pages - 1) * page_size, dtype=torch.int32, device=device))

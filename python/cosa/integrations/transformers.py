@@ -24,7 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
 from ..api import plan, run
-from ..blocks import BLOCK, num_blocks
+from ..blocks import BLOCK
+from ..paged import to_pages, uniform_page_table
 
 NAME = "cosa"
 _CAPTURE_NAME = "cosa_capture"
@@ -54,14 +55,6 @@ def _causal_mask_or_none(**kwargs):
     return sdpa_mask(**kwargs)
 
 
-def _paged(x: torch.Tensor) -> torch.Tensor:
-    """``x [B, H, n, d]`` as NHD pages of one block: ``[B * blocks, 128, H, d]`` (zero-padded)."""
-    batch, heads, n, d = x.shape
-    pages = x.new_zeros(batch, num_blocks(n) * BLOCK, heads, d)
-    pages[:, :n] = x.transpose(1, 2)
-    return pages.view(-1, BLOCK, heads, d)
-
-
 def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                            value: torch.Tensor, attention_mask: torch.Tensor | None,
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
@@ -72,19 +65,15 @@ def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     if q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    device = query.device
-    pages = num_blocks(kv_len)
-    cache_key = (batch, q_len, kv_len, query.dtype, key.dtype, device, tuple(sorted(_options.items())))
+    cache_key = (batch, q_len, kv_len, query.dtype, key.dtype, query.device, tuple(sorted(_options.items())))
     plan_ = getattr(module, "cosa_plan", None)
     if getattr(module, "_cosa_plan_key", None) != cache_key:
-        step = lambda n: torch.arange(batch + 1, dtype=torch.int32, device=device) * n  # noqa: E731
-        plan_ = plan(step(q_len), step(pages), torch.arange(batch * pages, dtype=torch.int32, device=device),
-                     torch.full((batch,), kv_len - (pages - 1) * BLOCK, dtype=torch.int32, device=device),
-                     num_qo_heads, num_kv_heads, head_dim, BLOCK, causal=True, sm_scale=scaling,
+        plan_ = plan(*uniform_page_table(batch, q_len, kv_len, BLOCK, query.device), num_qo_heads,
+                     num_kv_heads, head_dim, BLOCK, causal=True, sm_scale=scaling,
                      q_data_type=query.dtype, kv_data_type=key.dtype, **_options)
         module.cosa_plan, module._cosa_plan_key = plan_, cache_key
     q = query.transpose(1, 2).reshape(batch * q_len, num_qo_heads, head_dim)
-    o = run(plan_, q, (_paged(key), _paged(value)))
+    o = run(plan_, q, (to_pages(key.transpose(1, 2), BLOCK), to_pages(value.transpose(1, 2), BLOCK)))
     return o.view(batch, q_len, num_qo_heads, head_dim), None
 
 

@@ -1,0 +1,76 @@
+"""Regenerates docs/accuracy.{json,md}: ``python -m cosa.eval --study all``.
+
+Each study replaces its own records in the JSON; the markdown tables are
+re-rendered from the whole JSON. Runs on the GPU when there is one (bf16,
+the OSK kernel), else on the CPU (float32, the exact reference).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+STUDIES = ("captured", "needle", "long-context")
+RECORDS_OF = {"captured": ("proxy", "fidelity", "ordering", "flexprefill_threshold"),
+              "needle": ("needle",), "long-context": ("long_context",)}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m cosa.eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--study", choices=STUDIES + ("all",), nargs="+", default=["all"])
+    parser.add_argument("--tokens", type=int, default=8192, help="captured study: tokens of real text")
+    parser.add_argument("--layers", type=int, nargs="*", help="captured study: layers (default every layer)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
+    parser.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.2])
+    parser.add_argument("--needle-lengths", type=int, nargs="+", default=[2048, 4096, 6144, 8192])
+    parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--long-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
+    parser.add_argument("--budget", type=float, default=0.25, help="needle and long-context studies")
+    parser.add_argument("--delta", type=float, default=0.05, help="needle and long-context studies")
+    parser.add_argument("--out", type=Path, default=Path("docs/accuracy.md"))
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    studies = STUDIES if "all" in args.study else args.study
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    json_path = args.out.with_suffix(".json")
+    saved = json.loads(json_path.read_text()) if json_path.exists() else {"config": {}, "records": []}
+    dropped = {kind for study in studies for kind in RECORDS_OF[study]}
+    records = [r for r in saved["records"] if r["study"] not in dropped]
+    config = saved["config"]
+    started = time.time()
+    progress = lambda message: print(f"[{time.time() - started:7.0f} s] {message}", flush=True)  # noqa: E731
+    options = {"budget": args.budget, "delta": args.delta}
+
+    from . import studies as run_studies
+    if "captured" in studies or "needle" in studies:
+        from .data import load_smollm2, text_ids
+        model, tokenizer = load_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if "captured" in studies:
+        from ..integrations.transformers import capture_qkv
+        captured = capture_qkv(model, text_ids(tokenizer, args.tokens))
+        layers = args.layers if args.layers else list(range(len(captured)))
+        config.update(source=f"SmolLM2-135M-Instruct, {args.tokens} tokens of Python's documentation "
+                             f"(pydoc_data), captured on {device.type}", layers=layers)
+        records += run_studies.captured_attention_study(
+            [(i, captured[i]) for i in layers], args.budgets, args.deltas, progress=progress)
+    if "needle" in studies:
+        records += run_studies.needle_study(model, tokenizer, args.needle_lengths, args.needle_depths,
+                                            options, progress=progress)
+    if "long-context" in studies:
+        records += run_studies.long_context_study(args.long_lengths, options, progress=progress)
+
+    from .report import write_markdown
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps({"config": config, "records": records}, indent=1))
+    write_markdown(args.out, records, config)
+    progress(f"wrote {json_path} and {args.out}")
+
+
+if __name__ == "__main__":
+    main()

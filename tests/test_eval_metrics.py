@@ -1,0 +1,76 @@
+"""cosa.eval's metrics and the visiting-order ablation, on hand-built and small random cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import cosa
+from cosa.eval.metrics import attention_block_mass, iou, mass_recall, order_to_mask, relative_error, top_k_mask
+from cosa.eval.studies import reorder_scored_blocks
+from cosa.paged import uniform_page_table
+from cosa.proxy import proxy_order
+
+
+def test_order_to_mask_and_hand_built_recall_and_iou():
+    order = torch.tensor([[[2, 0, -1], [1, -1, -1]]], dtype=torch.int32)        # 1 tile, 2 heads
+    mask = order_to_mask(order, 4)
+    assert mask.tolist() == [[[True, False, True, False], [False, True, False, False]]]
+    visited = torch.tensor([[[True, False, False], [True, False, False]]])
+    assert order_to_mask(order, 4, visited).tolist() == [[[False, False, True, False],
+                                                         [False, True, False, False]]]
+    mass = torch.tensor([[[0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]]])
+    torch.testing.assert_close(mass_recall(mass, mask), torch.tensor([0.75, 0.2]))
+    oracle = top_k_mask(mass, mask.sum(-1))
+    assert oracle.tolist() == [[[True, True, False, False], [False, False, False, True]]]
+    # head 0: {0, 2} vs {0, 1} -> 1/3; head 1: {1} vs {3} -> 0
+    torch.testing.assert_close(iou(mask, oracle), torch.tensor([1 / 3, 0.0]))
+
+
+def test_relative_error_per_head():
+    reference = torch.zeros(3, 2, 4)
+    reference[..., 0] = 1.0
+    o = reference.clone()
+    o[:, 1] *= 1.5
+    torch.testing.assert_close(relative_error(o, reference), torch.tensor([0.0, 0.5], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("n", [300, 256])
+def test_block_mass_matches_a_loop_over_rows(n):
+    g = torch.Generator().manual_seed(torch.seed())
+    q = torch.randn(n, 4, 64, generator=g)
+    k = torch.randn(n, 2, 64, generator=g) * 2
+    mass = attention_block_mass(q, k, 0.125)
+    blocks = -(-n // 128)
+    want = torch.zeros(blocks, 4, blocks, dtype=torch.float64)
+    for row in range(n):
+        for h in range(4):
+            p = torch.softmax(k[:row + 1, h // 2].double() @ q[row, h].double() * 0.125, 0)
+            for j in range(blocks):
+                want[row // 128, h, j] += p[j * 128:(j + 1) * 128].sum()
+    torch.testing.assert_close(mass.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(mass.sum((0, 2)).double(), torch.full((4,), float(n), dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("ordering", ["ascending", "random"])
+def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering):
+    g = torch.Generator().manual_seed(torch.seed())
+    n = 1500
+    q, k = torch.randn(n, 2, 64, generator=g), torch.randn(n, 1, 64, generator=g)
+    plan = cosa.plan(*uniform_page_table(1, n, n, 128, "cpu"), 2, 1, 64, 128, budget=0.6,
+                     q_data_type=torch.float32)
+    order = torch.empty_like(plan.order)
+    proxy_order(q, k, plan.qtiles, order)
+    moved = reorder_scored_blocks(order, plan.qtiles, 12, ordering, g)
+    for tile in range(order.shape[0]):
+        forced = 1 + (tile > 0)                          # the diagonal block, then the sink
+        selected = int(plan.qtiles[tile, cosa._C.QT_NUM_SELECTED])
+        for h in range(2):
+            assert moved[tile, h, :forced].tolist() == order[tile, h, :forced].tolist()
+            assert sorted(moved[tile, h].tolist()) == sorted(order[tile, h].tolist())
+            if ordering == "ascending":
+                assert moved[tile, h, forced:selected].tolist() == order[tile, h, forced:selected].flip(0).tolist()
+    assert not torch.equal(moved, order)
