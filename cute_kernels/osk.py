@@ -1,0 +1,756 @@
+"""OSK: the ordered-skip block-sparse attention kernel (SPEC stage 2), CuTe DSL, SM90.
+
+Entry points
+------------
+``supported(head_dim, dtype) -> bool``
+    Whether a kernel exists for the configuration (head_dim 64 or 128; fp16/bf16).
+
+``osk_forward(q, k_cache, v_cache, block_pages, kv_block_indptr, qo_lens,
+kv_lens, qtiles, tile_order, order, o, lse, computed, skipped, *, sm_scale,
+log_delta, kv_layout="NHD", causal=True) -> None``
+    Launches the kernel on the current torch stream; writes ``o``, ``lse``,
+    ``computed`` and ``skipped`` in place; no host sync and no allocation
+    (except a 1-element stand-in when ``order`` or ``block_pages`` is empty), so it
+    should be CUDA-graph capturable once compiled (not yet tested).  Every
+    (qtile, head) listed in ``tile_order`` is written (rows of a tile with no
+    computed key: o = 0, lse = -inf).
+
+    - ``q``: [total_q, Hq, D] fp16/bf16, last dim contiguous.
+    - ``k_cache``, ``v_cache``: [num_pages, page_size, Hkv, D] (``kv_layout="NHD"``)
+      or [num_pages, Hkv, page_size, D] (``"HND"``), q's dtype, last dim
+      contiguous, other strides arbitrary multiples of 8 elements (views of a
+      combined [num_pages, 2, ...] cache are fine).  ``page_size`` a power of
+      two in 16..256 (what the plan accepts).
+    - int32 plan tensors (docs/design.md): ``block_pages`` [num_kv_blocks,
+      pages_per_block], ``kv_block_indptr`` [B+1], ``qo_lens`` [B], ``kv_lens``
+      [B], ``qtiles`` [num_qtiles, 8], ``tile_order`` [num_tiles, 2] (qtile,
+      head), ``order`` [num_qtiles, Hq, k_max] (logical key blocks in visiting
+      order; only the first ``qtiles[:, 7]`` entries are read).
+    - outputs: ``o`` [total_q, Hq, D] (q's dtype), ``lse`` [total_q, Hq] float32
+      (natural log of the softmax denominator of the scaled logits; ``-inf`` and
+      o = 0 for a row that computed no visible key), ``computed`` and
+      ``skipped`` [num_qtiles, Hq] int32 (blocks computed / skipped by stage 2).
+    - ``sm_scale``: logit scale; ``log_delta``: ln(delta), ``-inf`` for delta=0
+      (stage 2 off).  The kernel's threshold is ``log_delta - ln(kv_len)``.
+
+Kernel
+------
+One CTA of three warp groups (384 threads) owns one work tile = (128-row query tile,
+query head):
+
+- warp group 0, the producer (register budget lowered with ``setmaxnreg``), loads Q
+  with cp.async; then one warp walks the tile's order and, per logical key block j,
+  issues 128/16 TMA boxes of 16 rows x D for K_j and V_j straight from the paged
+  cache (several pages per block for small pages, a slice of a page for large
+  ones; a box never crosses a page since every page size is a multiple of 16) into
+  a 2-stage ring of 128B-swizzled smem buffers completed by transaction-count
+  mbarriers (``PipelineTmaAsync``).  TMA cannot zero-fill keys past kv_len inside a
+  page, so for a partial last block the consumers zero those V rows in smem before
+  PV (masked K columns are overwritten with -inf);
+- warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
+  S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
+  unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
+  (P from registers, V from smem, MN-major).
+
+Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
+``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
+block and ``max over valid rows (mloc - m) < thr``, where a row whose block
+logits are all masked contributes ``-inf``.  One decision per tile: each consumer
+warp reduces its rows, writes its max to a double-buffered smem slot, a named
+barrier over the 256 consumer threads, every thread reads all eight.  A skipped
+block still waits for V_j's stage before releasing it, which keeps the mbarrier
+phases exact; it does no exp and no PV.
+
+Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), all
+strides, NHD/HND (a permuted view), causal, the GQA group, batch shape and scalars
+are runtime, so four compiled kernels (``CONFIGS``) cover every supported input.
+They are compiled once per configuration from fake tensors (``compile_config``; a
+few seconds each on one CPU core) and cached in-process.  History of the kernel
+(earlier variants, measurements, what is still to do): bench/NOTES.md.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import threading
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+
+import cuda.bindings.driver as cuda  # noqa: E402
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+import cutlass.pipeline as pipeline  # noqa: E402
+import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
+from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
+from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.tensor_utils import LayoutEnum  # noqa: E402
+
+__all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
+
+HEAD_DIMS = (64, 128)
+_DTYPE_NAMES = ("bfloat16", "float16")
+CONFIGS = [(dt, d) for dt in _DTYPE_NAMES for d in HEAD_DIMS]
+
+TILE_M = 128
+TILE_N = 128
+NUM_CONSUMER_THREADS = 256
+NUM_PRODUCER_THREADS = 128
+NUM_THREADS = NUM_CONSUMER_THREADS + NUM_PRODUCER_THREADS
+NUM_CONSUMER_WARPS = NUM_CONSUMER_THREADS // 32
+LOG2_E = 1.4426950408889634
+QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
+QT_NUM_SELECTED = 7
+BAR_VOTE = 1
+BAR_EPILOGUE = 2
+BAR_VFIX = 3
+BOX = 16  # TMA box rows: the smallest supported page size
+PRODUCER_REGS = 56
+CONSUMER_REGS = 224
+
+
+def _mn_layout(acc_layout):
+    """Accumulator ((2,2[,V]),M,N) -> ((2,M),(2[,V],N)) row/column view layout."""
+    cm = cute.make_layout(acc_layout.shape)
+    s0, d0 = cm.shape[0], cm.stride[0]
+    if const_expr(cute.rank(s0) == 3):
+        mn = cute.make_layout(
+            ((s0[1], cm.shape[1]), (s0[0], s0[2], cm.shape[2])),
+            stride=((d0[1], cm.stride[1]), (d0[0], d0[2], cm.stride[2])),
+        )
+    else:
+        mn = cute.make_layout(
+            ((s0[1], cm.shape[1]), (s0[0], cm.shape[2])),
+            stride=((d0[1], cm.stride[1]), (d0[0], cm.stride[2])),
+        )
+    return cute.composition(acc_layout, mn)
+
+
+def _frgA_layout(acc_layout):
+    """SM90 accumulator ((2,2,N/8),M,N') -> A-operand fragment ((2,2,2),M,(N/16,N'))."""
+    lay = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
+    return cute.make_layout(
+        ((lay.shape[0][0], lay.shape[0][1], lay.shape[0][2][0]), lay.shape[1],
+         (lay.shape[0][2][1], lay.shape[2])),
+        stride=((lay.stride[0][0], lay.stride[0][1], lay.stride[0][2][0]), lay.stride[1],
+                (lay.stride[0][2][1], lay.stride[2])),
+    )
+
+
+class OSKForward:
+    """The kernel for one (dtype, head_dim): a producer warp group (Q by cp.async, K/V by
+    TMA from one warp) and two wgmma consumer warp groups; one CTA per work tile."""
+
+    def __init__(self, dtype, head_dim: int, num_stages: int = 2):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.num_stages = num_stages
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mBlockPages: cute.Tensor,
+        mKvBlockIndptr: cute.Tensor,
+        mQoLens: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mQtiles: cute.Tensor,
+        mTileOrder: cute.Tensor,
+        mOrder: cute.Tensor,
+        mComputed: cute.Tensor,
+        mSkipped: cute.Tensor,
+        sm_scale: Float32,
+        log_delta: Float32,
+        page_shift: Int32,
+        group: Int32,
+        causal: Int32,
+        num_tiles: Int32,
+        stream: cuda.CUstream,
+    ):
+        dtype = self.dtype
+        D = self.head_dim
+        S = self.num_stages
+        atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, D), dtype
+        )
+        sQ_layout = cute.tile_to_shape(atom, (TILE_M, D), (0, 1))
+        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D, S), (0, 1, 2))
+
+        @cute.struct
+        class SharedStorage:
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            vote: cute.struct.Align[cute.struct.MemRange[Float32, 2 * NUM_CONSUMER_WARPS], 16]
+            sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+
+        copy_elems = 128 // dtype.width
+        thr_per_row = 64 // copy_elems
+        atom_g2s = cute.make_copy_atom(
+            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
+        )
+        v_layout = cute.make_layout((1, copy_elems))
+        tiled_copy_g2s = cute.make_tiled_copy_tv(
+            atom_g2s,
+            cute.make_layout((NUM_PRODUCER_THREADS // thr_per_row, thr_per_row), stride=(thr_per_row, 1)),
+            v_layout,
+        )
+        atom_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+        tiled_copy_o = cute.make_tiled_copy_tv(
+            atom_store,
+            cute.make_layout((NUM_CONSUMER_THREADS // thr_per_row, thr_per_row), stride=(thr_per_row, 1)),
+            v_layout,
+        )
+        tiled_mma_qk = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N),
+        )
+        tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
+            atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, D),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
+        # (page row, d, kv head, page) views of the cache; a box is BOX rows x D of
+        # one page (BOX = 16 divides every page size), 128 / BOX boxes per block.
+        box_layout = cute.composition(cute.select(sKV_layout, mode=[0, 1]), (BOX, D))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_K, mK_tma = cpasync.make_tiled_tma_atom(
+            op, cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0])),
+            box_layout, (BOX, D))
+        tma_atom_V, mV_tma = cpasync.make_tiled_tma_atom(
+            op, cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0])),
+            box_layout, (BOX, D))
+        self.kernel(
+            mQ, mK_tma, mV_tma, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens, mKvLens,
+            mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
+            sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
+            sQ_layout, sKV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_pv,
+            tma_atom_K, tma_atom_V, SharedStorage,
+        ).launch(
+            grid=[num_tiles, 1, 1],
+            block=[NUM_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(),
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def _load_rows(self, mX, tiled_copy, tXsX, tXcX, row_off, row_ok):
+        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
+            if row_ok[m]:
+                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
+                    col = tXcX[0, m, k][1]
+                    gptr = cute.make_ptr(
+                        mX.element_type,
+                        (mX.iterator + (row_off[m] + Int64(col))).toint(),
+                        cute.AddressSpace.gmem,
+                        assumed_align=16,
+                    )
+                    cute.copy(tiled_copy, cute.make_tensor(gptr, tXsX[None, m, k].layout), tXsX[None, m, k])
+            else:
+                tXsX[None, m, None].fill(0)
+
+    @cute.jit
+    def _tma_block(self, tma_atom, gX, sX, mbar, stage, mBlockPages, blk_base: Int32, kv_len: Int32,
+                   page_shift: Int32, page_mask: Int32, j: Int32):
+        """Issue the 128 / BOX TMA boxes of logical key block j into stage `stage`.  A box
+        wholly past kv_len reads page 0 instead (finite or not, those keys are masked
+        and their V rows zeroed by the consumers), so every stage receives exactly
+        128 * D elements and the transaction count is static."""
+        blk = blk_base + j
+        jstart = j * TILE_N
+        pbase = jstart >> page_shift
+        for i in cutlass.range_constexpr(TILE_N // BOX):
+            g = jstart + i * BOX
+            page = Int32(0)
+            if g < kv_len:
+                page = mBlockPages[blk, (g >> page_shift) - pbase]
+            s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
+            tS, tG = cpasync.tma_partition(
+                tma_atom, 0, cute.make_layout(1),
+                cute.group_modes(s_box, 0, 2), cute.group_modes(gX, 0, 2),
+            )
+            cute.copy(tma_atom, tG[None, (g & page_mask) // BOX, page], tS[None, stage], tma_bar_ptr=mbar)
+
+    @cute.jit
+    def _zero_v_tail(self, tiled_copy_o, sV, stage, ctid, valid_rows):
+        """Zero the rows >= valid_rows of V stage `stage` (TMA loaded whole boxes: keys past
+        kv_len may hold anything, and 0 * NaN = NaN in the PV GEMM)."""
+        thr = tiled_copy_o.get_slice(ctid)
+        tVs = thr.partition_D(sV[None, None, stage])
+        tVc = thr.partition_D(cute.make_identity_tensor((TILE_N, self.head_dim)))
+        for m in cutlass.range_constexpr(cute.size(tVs, mode=[1])):
+            if tVc[0, m, 0][0] >= valid_rows:
+                tVs[None, m, None].fill(0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=BAR_VFIX, number_of_threads=NUM_CONSUMER_THREADS)
+
+    # ------------------------------------------------------------------ consumer
+    def _state(self, b):
+        """Consumer pipeline state of the b-th visited block (stage b % S, phase (b // S) & 1)."""
+        S = self.num_stages
+        return pipeline.PipelineState(S, b, b % S, (b // S) & 1)
+
+    @cute.jit
+    def _issue_qk(self, tiled_mma_qk, tSrQ, tSrK, stage):
+        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        warpgroup.fence()
+        mma_atom = cute.make_mma_atom(tiled_mma_qk.op)
+        mma_atom.set(warpgroup.Field.ACCUMULATE, False)
+        for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
+            cute.gemm(mma_atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
+            mma_atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        return acc_S
+
+    @cute.jit
+    def _issue_pv(self, tiled_mma_pv, acc_O, tOrP, tOrVt, stage):
+        warpgroup.fence()
+        pv_atom = cute.make_mma_atom(tiled_mma_pv.op)
+        pv_atom.set(warpgroup.Field.ACCUMULATE, True)
+        for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
+            cute.gemm(pv_atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _to_frgA(self, acc_S, dtype: cutlass.Constexpr):
+        rP = cute.make_fragment_like(acc_S, dtype)
+        rP.store(acc_S.load().to(dtype))
+        return cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
+
+    @cute.jit
+    def _mask_and_vote(self, ctx, acc_S, it, jstart):
+        """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and
+        return the tile-wide stage-2 decision (True = skip)."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
+         row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+         scale_log2, thr) = ctx
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        # masking is needed only for a block that crosses kv_len or the diagonal of the
+        # tile's first row (uniform over the tile)
+        need_mask = (jstart + TILE_N > kv_len) or (causal != 0 and jstart + TILE_N - 1 > diag0)
+        want = -Float32.inf
+        for r in cutlass.range_constexpr(cute.size(mloc)):
+            row = tScS_mn[r, 0][0]
+            if need_mask:
+                lim = kv_len - jstart
+                if causal != 0:
+                    lim = cutlass.min(lim, diag0 + row + 1 - jstart)
+                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+                    if tScS_mn[0, c][1] >= lim:
+                        acc_S_mn[r, c] = -Float32.inf
+            mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
+            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
+            mloc[r] = mx
+            d = -Float32.inf
+            if mx != -Float32.inf:
+                d = mx * sm_scale - row_max[r]
+            if row < rows:
+                want = cute.arch.fmax(want, d)
+        skip = cutlass.Boolean(False)
+        # The first visited block is never skipped, and with delta = 0 (thr = -inf) no
+        # block is: no vote (and no barrier coupling the two warp groups) is needed.
+        if it > 0 and thr != -Float32.inf:
+            for i in cutlass.range_constexpr(5):
+                want = cute.arch.fmax(want, cute.arch.shuffle_sync_bfly(want, offset=1 << i))
+            slot = (it % 2) * NUM_CONSUMER_WARPS
+            if lane == 0:
+                sVote[slot + cwarp] = want
+            cute.arch.barrier(barrier_id=BAR_VOTE, number_of_threads=NUM_CONSUMER_THREADS)
+            best = sVote[slot]
+            for w in cutlass.range_constexpr(1, NUM_CONSUMER_WARPS):
+                best = cute.arch.fmax(best, sVote[slot + w])
+            skip = best < thr
+        return skip
+
+    @cute.jit
+    def _softmax(self, ctx, acc_S, corr):
+        """Online-softmax update of row_max/row_sum; S -> P in place; writes into corr
+        the per-row factor by which O must be rescaled."""
+        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
+         row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+         scale_log2, thr) = ctx
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        for r in cutlass.range_constexpr(cute.size(mloc)):
+            m_prev = row_max[r]
+            m_new = cute.arch.fmax(m_prev, mloc[r] * sm_scale)
+            m_use = m_new
+            if m_new == -Float32.inf:
+                m_use = Float32(0.0)
+            c = cute.math.exp2((m_prev - m_use) * LOG2_E, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - m_use * LOG2_E, fastmath=True)
+            acc_S_mn[r, None] = p
+            row_sum[r] = row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            row_max[r] = m_new
+            corr[r] = c
+
+    @cute.jit
+    def _rescale_o(self, acc_O_mn, corr):
+        for r in cutlass.range_constexpr(cute.size(corr)):
+            acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr[r]
+
+    # -------------------------------------------------------------------- kernel
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mBlockPages: cute.Tensor,
+        mKvBlockIndptr: cute.Tensor,
+        mQoLens: cute.Tensor,
+        mKvLens: cute.Tensor,
+        mQtiles: cute.Tensor,
+        mTileOrder: cute.Tensor,
+        mOrder: cute.Tensor,
+        mComputed: cute.Tensor,
+        mSkipped: cute.Tensor,
+        sm_scale: Float32,
+        scale_log2: Float32,
+        log_delta: Float32,
+        page_shift: Int32,
+        group: Int32,
+        causal: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sKV_layout: cute.ComposedLayout,
+        tiled_copy_g2s: cute.TiledCopy,
+        tiled_copy_o: cute.TiledCopy,
+        tiled_mma_qk: cute.TiledMma,
+        tiled_mma_pv: cute.TiledMma,
+        tma_atom_K,
+        tma_atom_V,
+        SharedStorage: cutlass.Constexpr,
+    ):
+        D = self.head_dim
+        dtype = self.dtype
+        S = self.num_stages
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+
+        qt = mTileOrder[bid, 0]
+        head = mTileOrder[bid, 1]
+        req = mQtiles[qt, QT_REQUEST]
+        q_index = mQtiles[qt, QT_INDEX]
+        row_start = mQtiles[qt, QT_ROW_START]
+        rows = mQtiles[qt, QT_ROWS]
+        num_sel = mQtiles[qt, QT_NUM_SELECTED]
+        q_len = mQoLens[req]
+        kv_len = mKvLens[req]
+        blk_base = mKvBlockIndptr[req]
+        kv_head = head // group
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sVote = storage.vote.get_tensor(cute.make_layout((2 * NUM_CONSUMER_WARPS,)))
+
+        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS)
+        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_THREADS)
+        pipe_q = pipeline.PipelineCpAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
+            producer_group=producer, consumer_group=consumer, defer_sync=True,
+        )
+        tma_bytes = TILE_N * D * (dtype.width // 8)
+        one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
+        consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WARPS)
+        pipe_k = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=S, producer_group=one,
+            consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
+        )
+        pipe_v = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=S, producer_group=one,
+            consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
+        )
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()
+
+        if warp_idx < 4:
+            # ================================================= producer warp group
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            thr_copy = tiled_copy_g2s.get_slice(tidx)
+            tQsQ = thr_copy.partition_D(sQ)
+            tXcX = thr_copy.partition_S(cute.make_identity_tensor((TILE_M, D)))
+            n_rows = cute.size(tQsQ, mode=[1])
+            row_off = cute.make_rmem_tensor((n_rows,), Int64)
+            row_ok = cute.make_rmem_tensor((n_rows,), cutlass.Boolean)
+            for m in cutlass.range_constexpr(n_rows):
+                r = tXcX[0, m, 0][0]
+                row_ok[m] = r < rows
+                row_off[m] = Int64(row_start + r) * mQ.stride[0] + Int64(head) * mQ.stride[1]
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+            self._load_rows(mQ, tiled_copy_g2s, tQsQ, tXcX, row_off, row_ok)
+            pipe_q.producer_commit(q_state)
+
+            page_mask = (Int32(1) << page_shift) - 1
+            if warp_idx == 0:
+                cpasync.prefetch_descriptor(tma_atom_K)
+                cpasync.prefetch_descriptor(tma_atom_V)
+                # per box: source (BOX, D) tile of (page row box, page); dest box of a stage
+                gK = cute.local_tile(mK[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                gV = cute.local_tile(mV[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                for it in cutlass.range(num_sel, unroll=1):
+                    j = mOrder[qt, head, it]
+                    pipe_k.producer_acquire(state)
+                    self._tma_block(tma_atom_K, gK, sK, pipe_k.producer_get_barrier(state), state.index,
+                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, j)
+                    pipe_v.producer_acquire(state)
+                    self._tma_block(tma_atom_V, gV, sV, pipe_v.producer_get_barrier(state), state.index,
+                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, j)
+                    state.advance()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            # ================================================ consumer warp groups
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            ctid = tidx - NUM_PRODUCER_THREADS
+            cwarp = ctid // 32
+            lane = ctid % 32
+            wg = ctid // 128
+            diag0 = kv_len - q_len + q_index * TILE_M
+            thr = log_delta - cute.math.log(Float32(cutlass.max(kv_len, 1)))
+
+            thr_mma_qk = tiled_mma_qk.get_slice(ctid)
+            wg_mma_qk = tiled_mma_qk.get_slice(wg * 128)
+            wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
+            tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
+            tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+            sVt = cute.composition(sV, cute.make_ordered_layout((D, TILE_N, S), order=(1, 0, 2)))
+            tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
+            acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D)), Float32)
+            acc_O.fill(0.0)
+            acc_O_mn = cute.make_tensor(acc_O.iterator, _mn_layout(acc_O.layout))
+            tScS_mn_full = thr_mma_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
+            tScS_mn = cute.make_tensor(tScS_mn_full.iterator, _mn_layout(tScS_mn_full.layout))
+            n_my_rows = cute.size(acc_O_mn, mode=[0])
+            row_max = cute.make_rmem_tensor((n_my_rows,), Float32)
+            row_sum = cute.make_rmem_tensor((n_my_rows,), Float32)
+            row_max.fill(-Float32.inf)
+            row_sum.fill(0.0)
+            mloc = cute.make_rmem_tensor((n_my_rows,), Float32)
+            computed = Int32(0)
+            skipped = Int32(0)
+
+            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
+            pipe_q.consumer_wait(q_state)
+            corr = cute.make_rmem_tensor((n_my_rows,), Float32)
+            ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
+                   row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+                   scale_log2, thr)
+            for it in cutlass.range(num_sel, unroll=1):
+                st = self._state(it)
+                jstart = mOrder[qt, head, it] * TILE_N
+                pipe_k.consumer_wait(st)
+                cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
+                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(st)
+                skip = self._mask_and_vote(ctx, acc_S, it, jstart)
+                if skip:
+                    skipped = skipped + 1
+                    pipe_v.consumer_wait(st)
+                else:
+                    computed = computed + 1
+                    self._softmax(ctx, acc_S, corr)
+                    self._rescale_o(acc_O_mn, corr)
+                    tOrP = self._to_frgA(acc_S, dtype)
+                    pipe_v.consumer_wait(st)
+                    if jstart + TILE_N > kv_len:
+                        self._zero_v_tail(tiled_copy_o, sV, st.index, ctid, kv_len - jstart)
+                    cute.arch.fence_view_async_shared()
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
+                    warpgroup.wait_group(0)
+                pipe_v.consumer_release(st)
+
+            # ---------------------------------------------------------- epilogue
+            tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))
+            tOcO_mn = cute.make_tensor(tOcO_full.iterator, _mn_layout(tOcO_full.layout))
+            LN2 = math.log(2.0)
+            for r in cutlass.range_constexpr(n_my_rows):
+                total = row_sum[r]
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=2)
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+                empty = total == 0.0 or total != total
+                inv = Float32(0.0)
+                lse = -Float32.inf
+                if not empty:
+                    inv = cute.arch.rcp_approx(total)
+                    lse = row_max[r] + cute.math.log2(total, fastmath=False) * LN2
+                acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
+                row = tOcO_mn[r, 0][0]
+                if tOcO_mn[0, 0][1] == 0:
+                    if row < rows:
+                        mLSE[row_start + row, head] = lse
+            if ctid == 0:
+                mComputed[qt, head] = computed
+                mSkipped[qt, head] = skipped
+
+            rO = cute.make_fragment_like(acc_O, dtype)
+            rO.store(acc_O.load().to(dtype))
+            sO = sQ  # Q is dead: every wgmma reading it has completed
+            cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=NUM_CONSUMER_THREADS)
+            s_atom_O = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype)
+            r2s_O = cute.make_tiled_copy_C(s_atom_O, tiled_mma_pv).get_slice(ctid)
+            cute.copy(s_atom_O, r2s_O.retile(rO), r2s_O.partition_D(sO))
+            cute.arch.barrier(barrier_id=BAR_EPILOGUE, number_of_threads=NUM_CONSUMER_THREADS)
+            thr_copy_o = tiled_copy_o.get_slice(ctid)
+            tOsO = thr_copy_o.partition_S(sO)
+            tOrO = cute.make_fragment_like(tOsO, dtype)
+            cute.autovec_copy(tOsO, tOrO)
+            tOcO = thr_copy_o.partition_S(cute.make_identity_tensor((TILE_M, D)))
+            for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
+                r = tOcO[0, m, 0][0]
+                if r < rows:
+                    base = Int64(row_start + r) * mO.stride[0] + Int64(head) * mO.stride[1]
+                    for k in cutlass.range_constexpr(cute.size(tOrO, mode=[2])):
+                        col = tOcO[0, m, k][1]
+                        gptr = cute.make_ptr(
+                            dtype, (mO.iterator + (base + Int64(col))).toint(),
+                            cute.AddressSpace.gmem, assumed_align=16,
+                        )
+                        cute.copy(tiled_copy_o, tOrO[None, m, k], cute.make_tensor(gptr, tOrO[None, m, k].layout))
+
+
+# ---------------------------------------------------------------------------
+# compilation and launch
+# ---------------------------------------------------------------------------
+_HAVE_TVM_FFI = importlib.util.find_spec("tvm_ffi") is not None
+_cache: dict = {}
+_lock = threading.Lock()
+
+
+def _cutlass_dtype(name: str):
+    return {"bfloat16": cutlass.BFloat16, "float16": cutlass.Float16}[name]
+
+
+def _dtype_name(dtype) -> str | None:
+    s = str(dtype).replace("torch.", "")
+    return s if s in _DTYPE_NAMES else None
+
+
+def supported(head_dim: int, dtype) -> bool:
+    """True when a kernel exists for this head_dim and dtype (torch dtype or name)."""
+    name = dtype if isinstance(dtype, str) else _dtype_name(dtype)
+    return head_dim in HEAD_DIMS and name in _DTYPE_NAMES
+
+
+def _fake_args(dtype_name: str, head_dim: int):
+    dt = _cutlass_dtype(dtype_name)
+    div = 128 // dt.width
+    sym = cute.sym_int
+
+    def s64(d=1):
+        return cute.sym_int64(divisibility=d)
+
+    mk = cute.runtime.make_fake_tensor
+    q = mk(dt, (sym(), sym(), head_dim), stride=(s64(div), s64(div), 1), assumed_align=16)
+    k = mk(dt, (sym(), sym(), sym(), head_dim), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    v = mk(dt, (sym(), sym(), sym(), head_dim), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    o = mk(dt, (sym(), sym(), head_dim), stride=(s64(div), s64(div), 1), assumed_align=16)
+    lse = mk(Float32, (sym(), sym()), stride=(s64(), 1), assumed_align=4)
+
+    def i1():
+        return mk(Int32, (sym(),), stride=(1,), assumed_align=4)
+
+    def i2(cols=None):
+        return mk(Int32, (sym(), sym() if cols is None else cols), stride=(s64(), 1), assumed_align=4)
+
+    block_pages = i2()
+    indptr, qo_lens, kv_lens = i1(), i1(), i1()
+    qtiles = i2()
+    tile_order = i2()
+    order = mk(Int32, (sym(), sym(), sym()), stride=(s64(), s64(), 1), assumed_align=4)
+    computed, skipped = i2(), i2()
+    return (q, k, v, o, lse, block_pages, indptr, qo_lens, kv_lens, qtiles, tile_order,
+            order, computed, skipped)
+
+
+def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = None):
+    """Compile (or fetch from the in-process cache) the kernel for one configuration."""
+    if use_tvm_ffi is None:
+        use_tvm_ffi = _HAVE_TVM_FFI
+    key = (dtype_name, head_dim, bool(use_tvm_ffi))
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            op = OSKForward(_cutlass_dtype(dtype_name), head_dim)
+            stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=bool(use_tvm_ffi))
+            fn = cute.compile(
+                op,
+                *_fake_args(dtype_name, head_dim),
+                Float32(1.0), Float32(0.0), Int32(4), Int32(1), Int32(1), Int32(1),
+                stream,
+                options="--enable-tvm-ffi" if use_tvm_ffi else "",
+            )
+            _cache[key] = fn
+    return fn
+
+
+def _to_cute(t, leading_dim):
+    from cutlass.cute.runtime import from_dlpack
+
+    align = 16 if t.dtype.itemsize == 2 else 4
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading_dim)
+
+
+def osk_forward(
+    q, k_cache, v_cache, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order,
+    order, o, lse, computed, skipped, *, sm_scale: float, log_delta: float,
+    kv_layout: str = "NHD", causal: bool = True,
+) -> None:
+    """Run the OSK kernel (see the module docstring for the contract)."""
+    import torch
+
+    name = _dtype_name(q.dtype)
+    D = q.shape[-1]
+    if not supported(D, q.dtype):
+        raise ValueError(f"osk_forward: no kernel for head_dim={D}, dtype={q.dtype}")
+    if kv_layout == "NHD":
+        kv_k, kv_v = k_cache, v_cache
+    elif kv_layout == "HND":
+        kv_k, kv_v = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
+    else:
+        raise ValueError(f"osk_forward: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    page_size = kv_k.shape[1]
+    if not 16 <= page_size <= 256 or page_size & (page_size - 1):
+        raise ValueError(f"osk_forward: page_size must be a power of two in 16..256, got {page_size}")
+    for name_, t in (("q", q), ("k_cache", kv_k), ("v_cache", kv_v), ("o", o)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"osk_forward: {name_} must have dtype {q.dtype}, got {t.dtype}")
+        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"osk_forward: {name_} needs a contiguous, 16-byte aligned last dim")
+    num_tiles = tile_order.shape[0]
+    Hq, Hkv = q.shape[1], kv_k.shape[2]
+    group = Hq // Hkv
+    if num_tiles == 0:
+        return
+    if order.shape[-1] == 0:  # k_max == 0: nothing is read, but keep a valid pointer
+        order = order.new_full((order.shape[0], order.shape[1], 1), -1)
+    if block_pages.shape[0] == 0:
+        block_pages = block_pages.new_zeros((1, max(1, block_pages.shape[1])))
+    fn = compile_config(name, D)
+    scalars = (float(sm_scale), float(log_delta), int(page_size).bit_length() - 1, int(group),
+               1 if causal else 0, int(num_tiles))
+    if _HAVE_TVM_FFI:
+        fn(q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
+           tile_order, order, computed, skipped, *scalars)
+    else:
+        ts = [_to_cute(t, t.dim() - 1) for t in (q, kv_k, kv_v, o, lse, block_pages,
+                                                 kv_block_indptr, qo_lens, kv_lens, qtiles,
+                                                 tile_order, order, computed, skipped)]
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        fn(*ts, *scalars, stream)

@@ -1,0 +1,169 @@
+"""GPU tests of the OSK kernel through the public API: ``cosa.plan`` / ``cosa.run`` on
+CUDA tensors (the plan must pick the kernel), against the exact float64 reference.
+
+Each case lays a random ragged batch into a shuffled paged cache whose unused rows
+are NaN (``batch.make_batch``), runs it on the GPU with poisoned outputs (o = NaN,
+lse and the plan's computed/skipped counts = sentinels, so unwritten elements show),
+and checks every request against ``cosa.reference`` in float64 on the very same
+(bf16/fp16) values.  Stage 1 is the proxy's business (tests/test_proxy.py): the
+reference follows the GPU plan's own order mask, so the stage-2 comparison is exact
+given the order.  Skip decisions are compared per (query tile, head); the kernel
+decides in fp32 from bf16/fp16 products and the reference in float64, so a decision
+can flip only when a tile's gain lies within rounding of the threshold.  Flipped
+tiles are counted (at most 1% of tiles, or one) and left out of the o/lse comparison.
+
+Fresh random inputs every run; each case prints its seed (shown by pytest on failure).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cosa
+from cosa import reference
+from batch import make_batch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+
+LSE_SENTINEL = 12345.0
+COUNT_SENTINEL = -7
+
+
+def skewed_inputs(num_qo_heads, num_kv_heads, head_dim, generator):
+    """``make_batch``'s ``qkv``: sharp queries and every 128-key block of K scaled by a
+    random factor in [0.1, 1.5], so that stage 2 finds negligible blocks to skip."""
+    def qkv(_, q_len, kv_len):
+        q = 6.0 * torch.randn(q_len, num_qo_heads, head_dim, generator=generator, dtype=torch.float64)
+        scale = 0.1 + 1.4 * torch.rand(-(-kv_len // 128), generator=generator, dtype=torch.float64)
+        k = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        k *= scale.repeat_interleave(128)[:kv_len, None, None]
+        v = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        return q, k, v
+    return qkv
+
+
+def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
+             causal=True, combined=True, spare_pages=3, num_qo_heads=8, skewed=False,
+             dense=False):
+    """Run one batch on the GPU and compare it with the float64 reference; returns the
+    stats.  ``dense``: the reference is dense attention (needs budget 1, delta 0)."""
+    seed = torch.seed()
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    hkv = num_qo_heads // group
+    batch = make_batch(q_lens, kv_lens, num_qo_heads, hkv, head_dim, page_size, layout=layout,
+                       combined=combined, dtype=dtype, spare_pages=spare_pages, generator=g,
+                       qkv=skewed_inputs(num_qo_heads, hkv, head_dim, g) if skewed else None)
+    q = batch.q.cuda()
+    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
+    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
+                     batch.kv_last_page_len.cuda(), num_qo_heads, hkv, head_dim, page_size,
+                     causal=causal, budget=budget, delta=delta, q_data_type=dtype, kv_layout=layout)
+    assert plan.uses_kernel, "cosa.plan did not pick the OSK kernel for a supported configuration"
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device="cuda")
+    plan.computed.fill_(COUNT_SENTINEL)
+    plan.skipped.fill_(COUNT_SENTINEL)
+    o, lse = cosa.run(plan, q, cache, out=out, lse=lse, return_lse=True)
+    assert o is out
+    stats = plan.stats()
+    o, lse, order = o.cpu().double(), lse.cpu().double(), plan.order.cpu()
+    computed, skipped = stats.computed, stats.skipped
+
+    assert not o.isnan().any(), "o has unwritten (NaN) elements"
+    assert not (lse == LSE_SENTINEL).any(), "lse has unwritten elements"
+    assert not (computed == COUNT_SENTINEL).any() and not (skipped == COUNT_SENTINEL).any()
+    assert torch.equal(computed + skipped, stats.selected[:, None].expand_as(computed)), \
+        "computed + skipped must equal the blocks stage 1 selected"
+
+    num = den = lse_err = 0.0
+    flips = 0
+    for r, (q64, k64, v64) in enumerate(batch.requests):
+        if q64.shape[0] == 0:
+            continue
+        q64, k64, v64 = q64.double(), k64.double(), v64.double()
+        rows = slice(plan.qo_indptr_host[r], plan.qo_indptr_host[r + 1])
+        tiles = slice(plan.qtile_indptr_host[r], plan.qtile_indptr_host[r + 1])
+        if dense:
+            ref_o, ref_lse = reference.dense_attention(q64, k64, v64, causal=causal,
+                                                       sm_scale=plan.sm_scale)
+            ref_c = stats.selected[tiles, None].expand_as(computed[tiles])
+            ref_s = torch.zeros_like(ref_c)
+        else:
+            ref_o, ref_lse, ref_c, ref_s = reference.ordered_skip_attention(
+                q64, k64, v64, order[tiles], causal=causal, sm_scale=plan.sm_scale, delta=delta)
+        same = (computed[tiles] == ref_c) & (skipped[tiles] == ref_s)    # [tiles, hq]
+        flips += int((~same).sum())
+        row_same = same.repeat_interleave(128, 0)[:q64.shape[0]]          # [q_len, hq]
+        diff = (o[rows] - ref_o) * row_same[..., None]
+        num += float(diff.pow(2).sum())
+        den += float((ref_o * row_same[..., None]).pow(2).sum())
+        ref_lse = ref_lse.double()
+        no_key = torch.isinf(ref_lse) & row_same
+        assert torch.equal(torch.isinf(lse[rows]) & row_same, no_key), "lse -inf pattern differs"
+        assert (o[rows][no_key] == 0).all(), "rows without a computed key must be 0"
+        finite = row_same & ~torch.isinf(ref_lse)
+        if finite.any():
+            lse_err = max(lse_err, float((lse[rows][finite] - ref_lse[finite]).abs().max()))
+    rel = (num / den) ** 0.5 if den > 0 else 0.0
+    num_tiles = computed.numel()
+    skip_rate = float(skipped.sum()) / max(1, int((computed + skipped).sum()))
+    print(f"rel={rel:.2e} lse_err={lse_err:.2e} flips={flips}/{num_tiles} skip_rate={skip_rate:.3f}")
+    assert rel <= 1e-2, f"relative error {rel} (seed={seed})"
+    assert lse_err <= 1e-2, f"lse error {lse_err} (seed={seed})"
+    assert flips <= max(1, num_tiles // 100), f"skip decisions differ on {flips}/{num_tiles} tiles (seed={seed})"
+    if delta == 0:
+        assert flips == 0 and int(skipped.sum()) == 0
+    return stats
+
+
+# A ragged batch: chunked prefill (q < kv), one token, exactly one block, q == kv with a
+# partial last block, a longer request, and an empty request (kv_len = 0).
+RAGGED_Q = [300, 1, 128, 77, 256, 0]
+RAGGED_KV = [700, 513, 128, 77, 1000, 0]
+
+SWEEP = [
+    # dtype, head_dim, page_size, layout, group, combined, spare_pages (0: the cache's last page is used)
+    (torch.bfloat16, 128, 16, "NHD", 1, True, 0),
+    (torch.bfloat16, 128, 32, "HND", 4, False, 3),
+    (torch.bfloat16, 64, 64, "NHD", 8, True, 0),
+    (torch.float16, 128, 128, "HND", 1, True, 3),
+    (torch.float16, 64, 256, "NHD", 4, False, 0),
+    (torch.bfloat16, 128, 256, "HND", 8, True, 3),
+    (torch.float16, 128, 16, "HND", 8, False, 3),
+    (torch.bfloat16, 64, 128, "HND", 1, True, 0),
+    (torch.float16, 64, 32, "NHD", 1, True, 3),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout,group,combined,spare_pages", SWEEP)
+def test_ordered_skip_matches_reference(dtype, head_dim, page_size, layout, group, combined,
+                                        spare_pages):
+    stats = run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout,
+                     group=group, combined=combined, spare_pages=spare_pages, q_lens=RAGGED_Q,
+                     kv_lens=RAGGED_KV, budget=0.7, delta=0.5, skewed=True)
+    assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout", [
+    (torch.bfloat16, 128, 16, "NHD"), (torch.float16, 64, 256, "HND"), (torch.bfloat16, 64, 128, "NHD"),
+])
+def test_full_budget_no_skip_equals_dense(dtype, head_dim, page_size, layout):
+    run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=4,
+             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=1.0, delta=0.0, dense=True)
+
+
+def test_non_causal_equals_dense():
+    run_case(dtype=torch.bfloat16, head_dim=128, page_size=64, layout="NHD", group=2,
+             q_lens=[100, 260], kv_lens=[300, 390], budget=1.0, delta=0.0, causal=False, dense=True)
+
+
+def test_one_block_tiles():
+    # every tile has exactly one candidate block: it is computed, never skipped
+    stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=32, layout="HND", group=1,
+                     q_lens=[1, 64, 128], kv_lens=[1, 100, 128], budget=0.1, delta=1.0)
+    assert (stats.computed == 1).all() and (stats.skipped == 0).all()
