@@ -9,6 +9,8 @@ mask and the attention. On a CUDA device with a kernel for the configuration
 from __future__ import annotations
 
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +94,13 @@ class Plan:
     order: torch.Tensor      # [num_qtiles, num_qo_heads, k_max]
     computed: torch.Tensor   # [num_qtiles, num_qo_heads]
     skipped: torch.Tensor    # [num_qtiles, num_qo_heads]
+    lse: torch.Tensor        # [total_q, num_qo_heads] float32 scratch, when no LSE is wanted
+    # the OSK kernel's launcher, or None where run executes the exact reference
+    kernel: Callable | None
+
+    @property
+    def uses_kernel(self) -> bool:
+        return self.kernel is not None
 
     @property
     def batch_size(self) -> int:
@@ -132,19 +141,20 @@ def _check_positive_int(name: str, x) -> int:
     return x
 
 
-def _carve(workspace: torch.Tensor | None, device: torch.device, shapes: list[tuple[int, ...]]):
-    """int32 buffers of the given shapes, cut from ``workspace`` or freshly allocated."""
+def _carve(workspace: torch.Tensor | None, device: torch.device,
+           buffers: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Tensors of the given shapes and dtypes, cut from ``workspace`` or freshly allocated."""
     if workspace is None:
-        return [torch.empty(shape, dtype=torch.int32, device=device) for shape in shapes]
-    sizes = [math.prod(shape) * 4 for shape in shapes]
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in buffers]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in buffers]
     needed = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
     if workspace.numel() < needed:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, this plan needs {needed}")
-    buffers, offset = [], 0
-    for shape, size in zip(shapes, sizes):
-        buffers.append(workspace[offset:offset + size].view(torch.int32).view(shape))
+    carved, offset = [], 0
+    for (shape, dtype), size in zip(buffers, sizes):
+        carved.append(workspace[offset:offset + size].view(dtype).view(shape))
         offset += -(-size // _ALIGN) * _ALIGN
-    return buffers
+    return carved
 
 
 def check_workspace(workspace) -> torch.Tensor:
@@ -209,8 +219,11 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     num_qtiles = qtiles.shape[0]
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
 
-    order, computed, skipped = _carve(workspace, device, [
-        (num_qtiles, num_qo_heads, k_max), (num_qtiles, num_qo_heads), (num_qtiles, num_qo_heads)])
+    order, computed, skipped, lse = _carve(workspace, device, [
+        ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
+        ((num_qtiles, num_qo_heads), torch.int32),
+        ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32)])
+    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type or q_data_type)
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -229,7 +242,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         k_max=k_max, kv_indices=kv_indices.to(device), qo_lens=to_device(tables["qo_lens"]),
         kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
         block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
-        tile_order=to_device(tables["tile_order"]), order=order, computed=computed, skipped=skipped)
+        tile_order=to_device(tables["tile_order"]), order=order, computed=computed, skipped=skipped,
+        lse=lse, kernel=kernel)
 
 
 def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
@@ -280,8 +294,9 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     if out is None:
         out = torch.empty_like(q)
-    if lse is None and return_lse:
-        lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device)
+    if lse is None:
+        # the kernel always writes LSE; a caller who wants it gets a tensor of their own
+        lse = torch.empty_like(plan.lse) if return_lse else plan.lse
     for request in range(plan.batch_size):
         q_rows = slice(plan.qo_indptr_host[request], plan.qo_indptr_host[request + 1])
         if q_rows.start == q_rows.stop:
@@ -290,20 +305,38 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
         pages = plan.kv_indices[plan.kv_indptr_host[request]:plan.kv_indptr_host[request + 1]]
         kv_len = plan.kv_lens_host[request]
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
-        values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
         order = plan.order[qtile_rows]
         proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], order, proxy=plan.proxy,
                     causal=plan.causal, sm_scale=plan.sm_scale, force_local=plan.force_local,
                     force_sink=plan.force_sink)
-        o, row_lse, computed, skipped = ordered_skip_attention(
-            q[q_rows], keys, values, order, causal=plan.causal, sm_scale=plan.sm_scale,
-            delta=plan.delta)
-        out[q_rows] = o
-        if lse is not None:
-            lse[q_rows] = row_lse
-        plan.computed[qtile_rows] = computed
-        plan.skipped[qtile_rows] = skipped
+        if plan.kernel is None:
+            values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
+            out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
+                ordered_skip_attention(q[q_rows], keys, values, order, causal=plan.causal,
+                                       sm_scale=plan.sm_scale, delta=plan.delta)
+    if plan.kernel is not None:
+        plan.kernel(q, k_cache, v_cache, plan.block_pages, plan.kv_block_indptr, plan.qo_lens,
+                    plan.kv_lens, plan.qtiles, plan.tile_order, plan.order, out, lse,
+                    plan.computed, plan.skipped, sm_scale=plan.sm_scale,
+                    log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf,
+                    kv_layout=plan.kv_layout, causal=plan.causal)
     return (out, lse) if return_lse else out
+
+
+def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
+               kv_data_type: torch.dtype) -> Callable | None:
+    """The OSK kernel's launcher for this configuration, or None: no CUDA device, a
+    dtype or head_dim it lacks, or no CuTe DSL installed (then with a warning,
+    since the reference is far slower)."""
+    if device.type != "cuda" or kv_data_type != q_data_type:
+        return None
+    try:
+        from .cute_kernels import osk
+    except ImportError as error:
+        warnings.warn(f"cosa: the OSK kernel is unavailable ({error}); run uses the exact reference",
+                      stacklevel=3)
+        return None
+    return osk.osk_forward if osk.supported(head_dim, q_data_type) else None
 
 
 class CoSAPrefillWrapper:
