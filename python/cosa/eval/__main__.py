@@ -26,6 +26,8 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, nargs="*", help="captured study: layers (default every layer)")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
     parser.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.2])
+    parser.add_argument("--ordering-deltas", type=float, nargs="+", default=[0.05, 1.0, 10.0, 100.0],
+                        help="visiting-order ablation (at budget 0.25); delta >= kv_len skips above the running max")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[2048, 4096, 6144, 8192])
     parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--long-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
@@ -61,7 +63,7 @@ def main(argv=None) -> None:
                              f"(pydoc_data), captured on {device.type}", layers=layers)
         records += run_studies.captured_attention_study(
             [(i, tuple(x.to(device) for x in captured[i])) for i in layers], args.budgets, args.deltas,
-            progress=progress)
+            ordering_deltas=args.ordering_deltas, progress=progress)
     if "needle" in studies:
         records += run_studies.needle_study(model, tokenizer, args.needle_lengths, args.needle_depths,
                                             options, progress=progress)

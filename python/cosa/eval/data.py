@@ -52,7 +52,7 @@ def passkey_prompt(tokenizer, num_tokens: int, depth: float, passkey: int) -> to
     """``[1, ~num_tokens]`` ids of a chat prompt: documentation text with a pass-key sentence at
     ``depth`` (0 = start, 1 = end, at a paragraph break), then the question."""
     needle = f"\nThe pass key is {passkey}. Remember it. {passkey} is the pass key.\n"
-    overhead = len(tokenizer(needle + PASSKEY_QUESTION).input_ids) + 40   # chat markup
+    overhead = len(tokenizer(needle + PASSKEY_QUESTION).input_ids) + 64   # chat markup, answer room
     haystack = tokenizer.decode(text_ids(tokenizer, num_tokens - overhead)[0])
     cut = haystack.rfind("\n", 0, int(depth * len(haystack)) + 1) + 1
     content = (f"There is a pass key hidden in the text below. Find it.\n\n{haystack[:cut]}{needle}"

@@ -74,9 +74,10 @@ def render(records, config) -> str:
     long_context = [r for r in records if r["study"] == "long_context"]
     if long_context:
         out += ["", "### Long context, structured inputs with a far needle", ""]
-        out += _table(["tokens", "device", "kernel", "needle cosine CoSA", "needle cosine dense", "rel. error",
-                       "density 1 / 2"],
-                      [[r["length"], r["device"], r["kernel"], r["cosine_cosa"], r["cosine_dense"], r["error"],
+        out += _table(["tokens", "needle tokens", "device", "kernel", "needle cosine CoSA", "needle cosine dense",
+                       "rel. error", "density 1 / 2"],
+                      [[r["length"], r["needle_tokens"], r["device"], r["kernel"], r["cosine_cosa"],
+                        r["cosine_dense"], r["error"],
                         f"{r['density_stage1']:.3f} / {r['density_stage2']:.3f}"] for r in long_context])
     return "\n".join(out)
 

@@ -139,39 +139,43 @@ def needle_study(model, tokenizer, lengths, depths, plan_options, *, seed=0, max
 
 @torch.no_grad()
 def long_context_study(lengths, plan_options, *, heads=(32, 8), head_dim=128, needle_distance=0.9,
-                       checked_rows=128, seed=0, device=None, progress=print):
+                       needle_tokens=(1, 32), checked_rows=128, seed=0, device=None, progress=print):
     """Structured inputs (RoPE, sinks, local windows, topics) with a needle planted far back:
-    a key that the last ``checked_rows`` queries match strongly, holding a distinctive value.
-    Records how much of the needle's value each output keeps, CoSA against dense."""
+    ``needle_tokens`` keys (one token, or a sentence) that the last ``checked_rows`` queries
+    match strongly, holding a distinctive value. Records how much of the needle's value each
+    output keeps, CoSA against dense."""
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(seed)
     num_qo_heads, num_kv_heads = heads
+    group = num_qo_heads // num_kv_heads
     records = []
     for length in lengths:
-        q, k, v = structured_qkv(length, num_qo_heads, num_kv_heads, head_dim, generator=generator)
-        needle_at = int(length * (1 - needle_distance))
-        direction = torch.randn(num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
-        direction = direction / direction.norm(dim=-1, keepdim=True)
-        value = torch.randn(num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
-        gain = math.sqrt(30.0 * math.sqrt(head_dim))                     # ~30 nats above the rest
-        k[needle_at] = (gain * direction).float()
-        v[needle_at] = value.float()
-        q[-checked_rows:] += (gain * direction).repeat_interleave(num_qo_heads // num_kv_heads, 0).float()
-        q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-        plan_ = plan(*uniform_page_table(1, length, length, 128, device), num_qo_heads, num_kv_heads,
-                     head_dim, 128, q_data_type=dtype, **plan_options)
-        o = run(plan_, q, (to_pages(k, 128), to_pages(v, 128)))[-checked_rows:]
-        dense, _ = dense_attention(q[-checked_rows:], k, v, causal=True, sm_scale=head_dim ** -0.5)
-        needle_value = v[needle_at].float().repeat_interleave(num_qo_heads // num_kv_heads, 0)
-        kept = lambda out: torch.nn.functional.cosine_similarity(out.float(), needle_value[None], dim=-1)  # noqa: E731
-        stats = plan_.stats()
-        records.append({"study": "long_context", "length": length, "device": device.type,
-                        "kernel": getattr(plan_, "uses_kernel", False), "needle_at": needle_at,
-                        "cosine_cosa": round(float(kept(o).mean()), 4),
-                        "cosine_dense": round(float(kept(dense).mean()), 4),
-                        "error": round(float(relative_error(o, dense).mean()), 6),
-                        "density_stage1": stats.density_stage1, "density_stage2": stats.density_stage2,
-                        **plan_options})
-        progress(f"long context {records[-1]}")
+        for tokens in needle_tokens:
+            q, k, v = structured_qkv(length, num_qo_heads, num_kv_heads, head_dim, generator=generator)
+            needle = slice(int(length * (1 - needle_distance)), int(length * (1 - needle_distance)) + tokens)
+            direction = torch.randn(num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+            direction = direction / direction.norm(dim=-1, keepdim=True)
+            value = torch.randn(num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+            gain = math.sqrt(30.0 * math.sqrt(head_dim))                 # ~30 nats above the rest
+            k[needle] = (gain * direction).float()
+            v[needle] = value.float()
+            q[-checked_rows:] += (gain * direction).repeat_interleave(group, 0).float()
+            q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
+            plan_ = plan(*uniform_page_table(1, length, length, 128, device), num_qo_heads, num_kv_heads,
+                         head_dim, 128, q_data_type=dtype, **plan_options)
+            o = run(plan_, q, (to_pages(k, 128), to_pages(v, 128)))[-checked_rows:]
+            dense, _ = dense_attention(q[-checked_rows:], k, v, causal=True, sm_scale=head_dim ** -0.5)
+            needle_value = value.to(device).float().repeat_interleave(group, 0)[None]
+            kept = lambda out: torch.nn.functional.cosine_similarity(out.float(), needle_value, dim=-1)  # noqa: E731
+            stats = plan_.stats()
+            records.append({"study": "long_context", "length": length, "needle_tokens": tokens,
+                            "needle_at": needle.start, "device": device.type,
+                            "kernel": getattr(plan_, "uses_kernel", False),
+                            "cosine_cosa": round(float(kept(o).mean()), 4),
+                            "cosine_dense": round(float(kept(dense).mean()), 4),
+                            "error": round(float(relative_error(o, dense).mean()), 6),
+                            "density_stage1": stats.density_stage1, "density_stage2": stats.density_stage2,
+                            **plan_options})
+            progress(f"long context {records[-1]}")
     return records
