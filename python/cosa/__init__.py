@@ -10,14 +10,14 @@ See ``SPEC.md`` for what is computed and ``docs/design.md`` for where.
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from .api import CoSAPrefillWrapper, Plan, Stats, plan, run
+from .api import CoSAPrefillWrapper, Plan, Stats, order_mask, plan, run
 from .calibrate import calibrate_delta
 
 try:
     __version__ = version("cosa")      # defined once, in csrc/include/cosa/cosa.h
 except PackageNotFoundError:           # imported from a source tree
     __version__ = "unknown"
-__all__ = ["CoSAPrefillWrapper", "Plan", "Stats", "calibrate_delta", "cmake_prefix_path", "plan", "run"]
+__all__ = ["CoSAPrefillWrapper", "Plan", "Stats", "calibrate_delta", "cmake_prefix_path", "order_mask", "plan", "run"]
 
 
 def cmake_prefix_path() -> str:

@@ -282,6 +282,34 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
     return k, v
 
 
+def _requests(plan: Plan):
+    """``(q_rows, qtile_rows, pages, kv_len)`` of every request with queries."""
+    for request in range(plan.batch_size):
+        q_rows = slice(plan.qo_indptr_host[request], plan.qo_indptr_host[request + 1])
+        if q_rows.start == q_rows.stop:
+            continue
+        yield (q_rows, slice(plan.qtile_indptr_host[request], plan.qtile_indptr_host[request + 1]),
+               plan.kv_indices[plan.kv_indptr_host[request]:plan.kv_indptr_host[request + 1]],
+               plan.kv_lens_host[request])
+
+
+def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    for q_rows, qtile_rows, pages, kv_len in _requests(plan):
+        keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
+        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.order[qtile_rows],
+                    proxy=plan.proxy, causal=plan.causal, sm_scale=plan.sm_scale,
+                    force_local=plan.force_local, force_sink=plan.force_sink)
+
+
+def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
+    """Stage 1 alone, exactly as ``run`` does it: writes and returns ``plan.order``
+    ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
+    visiting order, -1 padded."""
+    k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
+    _rank(plan, q, k_cache)
+    return plan.order
+
+
 def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None = None,
         lse: torch.Tensor | None = None, return_lse: bool = False):
     """CoSA attention of ``q [total_q, num_qo_heads, head_dim]`` over the paged cache.
@@ -297,29 +325,20 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     if lse is None:
         # the kernel always writes LSE; a caller who wants it gets a tensor of their own
         lse = torch.empty_like(plan.lse) if return_lse else plan.lse
-    for request in range(plan.batch_size):
-        q_rows = slice(plan.qo_indptr_host[request], plan.qo_indptr_host[request + 1])
-        if q_rows.start == q_rows.stop:
-            continue
-        qtile_rows = slice(plan.qtile_indptr_host[request], plan.qtile_indptr_host[request + 1])
-        pages = plan.kv_indices[plan.kv_indptr_host[request]:plan.kv_indptr_host[request + 1]]
-        kv_len = plan.kv_lens_host[request]
-        keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
-        order = plan.order[qtile_rows]
-        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], order, proxy=plan.proxy,
-                    causal=plan.causal, sm_scale=plan.sm_scale, force_local=plan.force_local,
-                    force_sink=plan.force_sink)
-        if plan.kernel is None:
-            values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
-            out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
-                ordered_skip_attention(q[q_rows], keys, values, order, causal=plan.causal,
-                                       sm_scale=plan.sm_scale, delta=plan.delta)
+    _rank(plan, q, k_cache)
     if plan.kernel is not None:
         plan.kernel(q, k_cache, v_cache, plan.block_pages, plan.kv_block_indptr, plan.qo_lens,
                     plan.kv_lens, plan.qtiles, plan.tile_order, plan.order, out, lse,
                     plan.computed, plan.skipped, sm_scale=plan.sm_scale,
                     log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf,
                     kv_layout=plan.kv_layout, causal=plan.causal)
+        return (out, lse) if return_lse else out
+    for q_rows, qtile_rows, pages, kv_len in _requests(plan):
+        keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
+        values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
+        out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
+            ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
+                                   sm_scale=plan.sm_scale, delta=plan.delta)
     return (out, lse) if return_lse else out
 
 
