@@ -1,0 +1,554 @@
+"""CoSA against dense and block-sparse attention on one GPU: one command, a table, targets, JSON.
+
+    python bench/bench_attention.py [--seq-lens 8192 32768 131072] [--page-sizes 16 128]
+                                    [--json out.json] [--quick]
+
+Workload: batch 1, 32 query heads, 8 kv heads, head_dim 128, bf16, causal prefill
+(q_len = kv_len), structured inputs (cosa.synthetic.structured_qkv). bench/README.md says
+what every row, column and target means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import cosa
+from cosa.synthetic import structured_qkv
+
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
+DTYPE = torch.bfloat16
+BLOCK = 128
+BLOCK_FLOPS = 4 * BLOCK * BLOCK * HEAD_DIM        # QK^T and PV of one 128x128 block, one head
+BUDGETS = (0.25, 0.1)
+DELTAS = (0.0, 0.05)
+B2 = 0.10                  # stage-2 density of the calibrated row (the paper's b2)
+B2_BUDGET = 0.25
+SKIP_ALL_DELTA = 1e30      # threshold ln(1e30/kv_len) > any logit gain: all but the first block skip
+FORCED_ONLY_BUDGET = 1e-9  # selects the forced (local and sink) blocks only
+REFERENCE_MAX_SEQ = 8192   # longest sequence timed when cosa.run falls back to the torch reference
+
+FA4_DENSE, SDPA, FA4_PAGED = "fa4 dense", "sdpa cudnn", "fa4 dense paged"
+DENSE_PEERS = (FA4_DENSE, SDPA)
+COSA_DENSE, COSA_B2 = "cosa dense", f"cosa b={B2_BUDGET} b2={B2:.2f}"
+COSA_SKIP_ALL, COSA_FORCED = f"cosa b={B2_BUDGET} skip-all", "cosa forced-only"
+PROXY = "proxy"
+
+
+def fa4_block_sparse_name(budget: float) -> str:
+    return f"fa4 block-sparse b={budget}"
+
+
+def cosa_name(budget: float, delta: float) -> str:
+    return f"cosa b={budget} d={delta:g}"
+
+
+@dataclass
+class Row:
+    seq: int
+    page: int | None              # None: contiguous K/V
+    name: str
+    ms: float | None              # None: not measured (see note)
+    flops: float | None = None    # of the computed blocks (dense peers: exact causal count)
+    density1: float | None = None
+    density2: float | None = None
+    computed: int | None = None   # (query tile, head, key block) triples computed
+    skipped: int | None = None    # ... and skipped by stage 2
+    delta: float | None = None
+    note: str = ""
+    tflops: float | None = None       # the rest is filled by finish_rows
+    speedup: float | None = None
+    proxy_share: float | None = None
+
+
+@dataclass
+class Target:
+    name: str
+    where: str
+    ratio: float | None
+    need: float
+    at_least: bool                # ratio >= need, else ratio <= need
+    note: str = ""
+
+    @property
+    def status(self) -> str:
+        if self.ratio is None:
+            return "n/a"
+        return "PASS" if (self.ratio >= self.need if self.at_least else self.ratio <= self.need) else "MISS"
+
+
+# ----------------------------------------------------------------------------- derived columns
+
+def finish_rows(rows: list[Row]) -> None:
+    """TFLOP/s, speedup over the best dense peer, and the proxy's share (see README)."""
+    best = {}
+    for row in rows:
+        if row.name in DENSE_PEERS and row.ms is not None:
+            best[row.seq] = min(best.get(row.seq, math.inf), row.ms)
+    proxy = {(row.seq, row.page): row.ms for row in rows if row.name == PROXY and row.ms is not None}
+    for row in rows:
+        if row.ms is None:
+            continue
+        if row.flops is not None:
+            row.tflops = row.flops / row.ms / 1e9
+        if row.seq in best and row.name != PROXY:
+            row.speedup = best[row.seq] / row.ms
+        proxy_ms = proxy.get((row.seq, row.page))
+        if proxy_ms is not None and row.name.startswith("cosa"):
+            row.proxy_share = proxy_ms / row.ms
+        elif proxy_ms is not None and row.name == PROXY and row.seq in best:
+            row.proxy_share = proxy_ms / best[row.seq]
+
+
+def find(rows: list[Row], seq: int, page: int | None, name: str) -> Row | None:
+    return next((r for r in rows if (r.seq, r.page, r.name) == (seq, page, name) and r.ms is not None),
+                None)
+
+
+def skip_cost_ratio(full: Row, forced: Row, skip_all: Row) -> float | None:
+    """Cost of a skipped block over a computed one, from t = o + c*computed + s*skipped fitted
+    through three runs of one sequence: all selected blocks computed (delta 0), the forced blocks
+    only, and all but the first visited block skipped. ``o`` absorbs the proxy and fixed costs."""
+    if full.computed == forced.computed or not skip_all.skipped:
+        return None
+    c = (full.ms - forced.ms) / (full.computed - forced.computed)
+    o = full.ms - c * full.computed
+    s = (skip_all.ms - o - c * skip_all.computed) / skip_all.skipped
+    return s / c
+
+
+def evaluate_targets(rows: list[Row], page_sizes) -> list[Target]:
+    seqs = sorted({r.seq for r in rows})
+    targets = []
+
+    def speed(peer: Row | None, cosa_row: Row | None) -> float | None:
+        """Above 1, CoSA is faster than the peer."""
+        return peer.ms / cosa_row.ms if peer and cosa_row else None
+
+    for seq in (32768, 131072):
+        for page in page_sizes:
+            peer, run, proxy = (find(rows, seq, p, name) for p, name in
+                                ((None, FA4_DENSE), (page, COSA_DENSE), (page, PROXY)))
+            note = f"kernel only {peer.ms / (run.ms - proxy.ms):.3f}" if peer and run and proxy else ""
+            targets.append(Target("cosa dense / fa4 dense speed", f"{seq} p{page}", speed(peer, run),
+                                  0.95, True, note))
+    for seq in seqs:
+        for page in page_sizes:
+            proxy = find(rows, seq, page, PROXY)
+            for budget in BUDGETS:
+                peer = find(rows, seq, None, fa4_block_sparse_name(budget))
+                run = find(rows, seq, page, cosa_name(budget, 0.0))
+                # The kernel's time is the run's less the proxy's, each a median of its own calls.
+                kernel_ms = run.ms - proxy.ms if run and proxy else None
+                note = f"whole run {speed(peer, run):.3f}" if peer and run else ""
+                targets.append(Target(f"cosa kernel / fa4 block-sparse b={budget} speed", f"{seq} p{page}",
+                                      peer.ms / kernel_ms if peer and kernel_ms and kernel_ms > 0 else None,
+                                      1.0, True, note))
+    for seq in seqs:
+        for page in page_sizes:
+            three = [find(rows, seq, page, name)
+                     for name in (cosa_name(B2_BUDGET, 0.0), COSA_FORCED, COSA_SKIP_ALL)]
+            targets.append(Target("skipped / computed block cost", f"{seq} p{page}",
+                                  skip_cost_ratio(*three) if all(three) else None, 0.5, False))
+    for page in page_sizes:
+        targets.append(Target(f"run b={B2_BUDGET} b2={B2:.2f} speedup over fa4 dense", f"131072 p{page}",
+                              speed(find(rows, 131072, None, FA4_DENSE), find(rows, 131072, page, COSA_B2)),
+                              5.5, True))
+    for seq, limit in ((131072, 0.01), (8192, 0.03)):
+        for page in page_sizes:
+            proxy = find(rows, seq, page, PROXY)
+            targets.append(Target("proxy / best dense time", f"{seq} p{page}",
+                                  proxy.proxy_share if proxy else None, limit, False))
+    return targets
+
+
+# ----------------------------------------------------------------------------- output
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+TABLE_HEADER = (f"{'seq':>6} {'page':>4} {'row':<23} {'ms':>9} {'TFLOP/s':>7} {'dens1':>5} {'dens2':>5} "
+                f"{'speedup':>7} {'proxy%':>6}  note")
+
+
+def format_row(row: Row) -> str:
+    share = None if row.proxy_share is None else 100 * row.proxy_share
+    return (f"{row.seq:>6} {_fmt(row.page, 'd'):>4} {row.name:<23} {_fmt(row.ms, '.3f'):>9} "
+            f"{_fmt(row.tflops, '.0f'):>7} {_fmt(row.density1, '.3f'):>5} {_fmt(row.density2, '.3f'):>5} "
+            f"{_fmt(row.speedup, '.2f'):>7} {_fmt(share, '.2f'):>6}  {row.note}").rstrip()
+
+
+def format_table(rows: list[Row]) -> str:
+    ordered = sorted(rows, key=lambda r: (r.seq, r.page or 0))   # stable: measuring order within a group
+    return "\n".join([TABLE_HEADER] + [format_row(r) for r in ordered])
+
+
+def format_targets(targets: list[Target]) -> str:
+    lines = [f"{'target':<45} {'where':<11} {'ratio':>7} {'need':>8}  status"]
+    for t in targets:
+        need = f"{'>=' if t.at_least else '<='}{t.need:g}"
+        note = f"  ({t.note})" if t.note else ""
+        lines.append(f"{t.name:<45} {t.where:<11} {_fmt(t.ratio, '.3f'):>7} {need:>8}  {t.status}{note}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def time_ms(fn, warmup: int, repeats: int) -> float:
+    """Median CUDA-event time of ``fn`` in ms after ``warmup`` calls (the first compiles).
+    Calls run back to back; L2 is not flushed between them."""
+    for _ in range(warmup):
+        fn()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(repeats)]
+    torch.cuda.synchronize()
+    for start, end in events:
+        start.record()
+        fn()
+        end.record()
+    torch.cuda.synchronize()
+    return statistics.median(start.elapsed_time(end) for start, end in events)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def dense_causal_flops(seq: int) -> float:
+    return 4.0 * NUM_QO_HEADS * HEAD_DIM * seq * (seq + 1) / 2
+
+
+@dataclass
+class Paged:
+    """One request's K/V in a shuffled paged cache, ``(k_cache, v_cache)`` NHD, and its page table."""
+
+    page_size: int
+    cache: tuple[torch.Tensor, torch.Tensor]
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor          # logical page -> physical page, int32
+    kv_last_page_len: torch.Tensor
+
+    @classmethod
+    def build(cls, k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator):
+        seq = k.shape[0]
+        pages = seq // page_size          # parse_args admits only multiples of every page size
+        physical = torch.randperm(pages, generator=generator).to(k.device)
+        cache = []
+        for x in (k, v):
+            paged = torch.empty((pages, page_size) + x.shape[1:], dtype=x.dtype, device=x.device)
+            paged[physical] = x.view(pages, page_size, *x.shape[1:])
+            cache.append(paged)
+
+        def int32(*values):
+            return torch.tensor(values, dtype=torch.int32, device=k.device)
+        return cls(page_size, tuple(cache), int32(0, seq), int32(0, pages), physical.int(), int32(page_size))
+
+    def plan(self, budget: float, delta: float) -> cosa.Plan:
+        return cosa.plan(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
+                         NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, self.page_size, causal=True,
+                         budget=budget, delta=delta, q_data_type=DTYPE)
+
+
+def load_fa4():
+    """``(flash_attn.cute.interface, block_sparsity, version)``, or ``(None, None, why not)``."""
+    try:
+        from importlib.metadata import version
+
+        from flash_attn.cute import block_sparsity, interface
+        return interface, block_sparsity, version("flash-attn-4")
+    except Exception as error:  # noqa: BLE001 - any failure just makes the FA4 rows say so
+        return None, None, f"{type(error).__name__}: {error}"
+
+
+def fa4_block_sparse_tensors(block_sparsity, plan_: cosa.Plan):
+    """CoSA's stage-1 blocks as FA4's block lists (block size 128x128, what FA4's SM90 tile is
+    at head_dim 128): the diagonal block in the "mask" list (causal masking applies), every
+    other block in the "full" list (no masking, as FA4 would be used). FA4 visits each list
+    from its last entry down. Per-head lists turn FA4's pack-GQA off."""
+    order = plan_.order.permute(1, 0, 2)                                    # [heads, tiles, k_max]
+    tile = plan_.qtiles[:, cosa._C.QT_INDEX]                                # q_len == kv_len: tile i's diagonal is block i
+    listed = order >= 0
+    diagonal = listed & (order == tile[None, :, None])
+    padding = torch.iinfo(torch.int32).max
+
+    def packed(keep):   # counts, and ascending block indices packed left (0 past the count)
+        idx = torch.where(keep, order, padding).sort(-1).values
+        return keep.sum(-1)[None].int().contiguous(), torch.where(idx == padding, 0, idx)[None].int().contiguous()
+
+    mask_cnt, mask_idx = packed(diagonal)
+    full_cnt, full_idx = packed(listed & ~diagonal)
+    return block_sparsity.BlockSparseTensorsTorch(
+        mask_block_cnt=mask_cnt, mask_block_idx=mask_idx, full_block_cnt=full_cnt,
+        full_block_idx=full_idx, block_size=(BLOCK, BLOCK))
+
+
+class Unavailable(RuntimeError):
+    """A peer that is not installed: its rows say so, without a traceback."""
+
+
+class Runner:
+    """Measures every row of one invocation; prints each as it lands."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rows: list[Row] = []
+        self.fa4, self.block_sparsity, self.fa4_version = load_fa4()   # version, or why it is missing
+        probe = torch.empty(BLOCK, NUM_KV_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")
+        self.uses_kernel = Paged.build(probe, probe, BLOCK, torch.Generator()).plan(1.0, 0.0).uses_kernel
+        self.calibration: dict[int, dict] = {}    # seq -> the b2 row's delta and its origin, or an error
+
+    def time(self, fn) -> float:
+        return time_ms(fn, self.args.warmup, self.args.repeats)
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(format_row(row), flush=True)
+
+    def attempt(self, seq: int, page: int | None, name: str, measure):
+        """Adds the row ``measure()`` returns as ``(row, output)`` and returns the output; a failure
+        becomes a row that says why, so that one broken peer does not end the run."""
+        try:
+            row, out = measure()
+        except Exception as error:  # noqa: BLE001
+            if not isinstance(error, Unavailable):
+                traceback.print_exc(file=sys.stderr)
+            torch.cuda.empty_cache()
+            message = (str(error).splitlines() or [""])[0][:100]
+            row, out = Row(seq, page, name, None, note=f"{type(error).__name__}: {message}"), None
+        self.add(row)
+        return out
+
+    # --- peers
+
+    def _fa4(self):
+        if self.fa4 is None:
+            raise Unavailable(f"flash_attn.cute: {self.fa4_version}")
+        return self.fa4
+
+    def fa4_dense(self, seq, q, k, v, sm_scale):
+        fa4, q4, k4, v4 = self._fa4(), q[None], k[None], v[None]
+
+        def call():
+            return fa4.flash_attn_func(q4, k4, v4, softmax_scale=sm_scale, causal=True)
+        out = call()[0][0]
+        return Row(seq, None, FA4_DENSE, self.time(call), dense_causal_flops(seq), 1.0, 1.0), out
+
+    def fa4_paged(self, seq, q, paged: Paged, sm_scale):
+        fa4, q4, page_table = self._fa4(), q[None], paged.kv_indices[None]
+
+        def call():
+            return fa4.flash_attn_varlen_func(q4, *paged.cache, page_table=page_table,
+                                              softmax_scale=sm_scale, causal=True)
+        return Row(seq, paged.page_size, FA4_PAGED, self.time(call), dense_causal_flops(seq), 1.0, 1.0), None
+
+    def fa4_block_sparse(self, seq, q, k, v, plan_, sm_scale):
+        fa4, q4, k4, v4 = self._fa4(), q[None], k[None], v[None]
+        blocks = fa4_block_sparse_tensors(self.block_sparsity, plan_)
+
+        def call():
+            return fa4.flash_attn_func(q4, k4, v4, softmax_scale=sm_scale, causal=True,
+                                       block_sparse_tensors=blocks)
+        out = call()[0][0]
+        density = plan_.stats().density_stage1
+        computed = int(blocks.mask_block_cnt.sum() + blocks.full_block_cnt.sum())
+        return Row(seq, None, fa4_block_sparse_name(plan_.budget), self.time(call), computed * BLOCK_FLOPS,
+                   density, density, computed), out
+
+    def sdpa(self, seq, q, k, v, sm_scale):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (x[None].transpose(1, 2) for x in (q, k, v))     # [1, heads, seq, d] views
+
+        def timed(kt, vt, gqa):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return self.time(lambda: F.scaled_dot_product_attention(
+                    qt, kt, vt, is_causal=True, scale=sm_scale, enable_gqa=gqa))
+        note = ""
+        try:
+            ms = timed(kt, vt, True)
+        except RuntimeError:    # cuDNN without GQA: repeat the kv heads outside the timed region
+            group = NUM_QO_HEADS // NUM_KV_HEADS
+            ms = timed(kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1), False)
+            note = "K/V heads repeated: cuDNN refused GQA"
+        return Row(seq, None, SDPA, ms, dense_causal_flops(seq), 1.0, 1.0, note=note), None
+
+    # --- cosa
+
+    def cosa_run(self, seq, name, paged: Paged, q, budget, delta, check=None, note=""):
+        """``check``: ``(name, output)`` of a peer computing the same blocks, for the note."""
+        plan_ = paged.plan(budget, delta)
+        out = torch.empty_like(q)
+        ms = self.time(lambda: cosa.run(plan_, q, paged.cache, out=out))
+        stats = plan_.stats()
+        computed = int(stats.computed.sum())
+        if check is not None and check[1] is not None:
+            note = f"err {rel_err(out, check[1]):.1e} vs {check[0]}"
+        return Row(seq, paged.page_size, name, ms, computed * BLOCK_FLOPS, stats.density_stage1,
+                   stats.density_stage2, computed, int(stats.skipped.sum()), delta, note), None
+
+    def proxy(self, seq, paged: Paged, q):
+        plan_ = paged.plan(B2_BUDGET, 0.0)
+        return Row(seq, paged.page_size, PROXY, self.time(lambda: cosa.order_mask(plan_, q, paged.cache))), None
+
+    def calibrate(self, seqs, paged: Paged, q, origin: str) -> None:
+        """The b2 row's delta (stage-2 density B2 at budget B2_BUDGET) on ``q``, for ``seqs``; untimed."""
+        try:
+            delta = cosa.calibrate_delta(paged.plan(B2_BUDGET, 0.0), q, paged.cache, B2)
+            entry = {"delta": delta, "calibrated_on": origin}
+            print(f"delta for b2={B2} at budget {B2_BUDGET}: {delta:.3e}, calibrated on {origin}", flush=True)
+        except Exception as error:  # noqa: BLE001 - only the b2 row needs it
+            entry = {"error": f"{type(error).__name__}: {error}"}
+        for seq in seqs:
+            self.calibration[seq] = entry
+
+    def calibrate_on_sample(self, length: int) -> None:
+        """--calibrate-len: one delta, from a separate sample of ``length`` tokens, for every length."""
+        if not self.uses_kernel and length > REFERENCE_MAX_SEQ:
+            self.calibration = {seq: {"error": f"the torch reference is too slow to calibrate on {length}"}
+                                for seq in self.args.seq_lens}
+            return
+        generator = torch.Generator().manual_seed(self.args.seed + 1_000_003 + length)
+        q, k, v = structured_qkv(length, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, generator=generator,
+                                 dtype=DTYPE, device="cuda")
+        paged = Paged.build(k, v, max(self.args.page_sizes), generator)
+        self.calibrate(self.args.seq_lens, paged, q, f"a sample of {length}")
+
+    # --- one sequence length
+
+    def measure(self, seq: int) -> None:
+        generator = torch.Generator().manual_seed(self.args.seed + seq)
+        q, k, v = structured_qkv(seq, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, generator=generator,
+                                 dtype=DTYPE, device="cuda")
+        sm_scale = 1.0 / math.sqrt(HEAD_DIM)
+        fa4_dense_out = self.attempt(seq, None, FA4_DENSE, lambda: self.fa4_dense(seq, q, k, v, sm_scale))
+        self.attempt(seq, None, SDPA, lambda: self.sdpa(seq, q, k, v, sm_scale))
+        fa4_sparse_out = {}
+        for page in self.args.page_sizes:
+            paged = Paged.build(k, v, page, generator)
+            self.attempt(seq, page, FA4_PAGED, lambda: self.fa4_paged(seq, q, paged, sm_scale))
+            self.attempt(seq, page, PROXY, lambda: self.proxy(seq, paged, q))
+            for budget in BUDGETS:
+                if budget not in fa4_sparse_out:   # the stage-1 mask depends on q and k, not on pages
+                    plan_ = paged.plan(budget, 0.0)
+                    cosa.order_mask(plan_, q, paged.cache)
+                    fa4_sparse_out[budget] = self.attempt(
+                        seq, None, fa4_block_sparse_name(budget),
+                        lambda: self.fa4_block_sparse(seq, q, k, v, plan_, sm_scale))
+            self.measure_cosa(seq, paged, q, fa4_dense_out, fa4_sparse_out)
+
+    def measure_cosa(self, seq, paged: Paged, q, fa4_dense_out, fa4_sparse_out) -> None:
+        page = paged.page_size
+        names = ([COSA_DENSE] + [cosa_name(b, d) for b in BUDGETS for d in DELTAS]
+                 + [COSA_B2, COSA_SKIP_ALL, COSA_FORCED])
+        if not self.uses_kernel and seq > REFERENCE_MAX_SEQ:
+            for name in names:
+                self.add(Row(seq, page, name, None, note="skipped: cosa.run runs the torch reference"))
+            return
+        if seq not in self.calibration:
+            self.calibrate([seq], paged, q, "this input")
+
+        def attempt(name, budget, delta, check=None, note=""):
+            self.attempt(seq, page, name, lambda: self.cosa_run(seq, name, paged, q, budget, delta, check, note))
+
+        attempt(COSA_DENSE, 1.0, 0.0, (FA4_DENSE, fa4_dense_out))
+        for budget in BUDGETS:
+            for delta in DELTAS:
+                check = (fa4_block_sparse_name(budget), fa4_sparse_out.get(budget)) if delta == 0 else None
+                attempt(cosa_name(budget, delta), budget, delta, check)
+        calibration = self.calibration[seq]
+        if "delta" in calibration:
+            attempt(COSA_B2, B2_BUDGET, calibration["delta"],
+                    note=f"delta {calibration['delta']:.2e} (calibrated on {calibration['calibrated_on']})")
+        else:
+            self.add(Row(seq, page, COSA_B2, None, note=f"no delta: {calibration['error']}"))
+        attempt(COSA_SKIP_ALL, B2_BUDGET, SKIP_ALL_DELTA, note=f"delta {SKIP_ALL_DELTA:g}")
+        attempt(COSA_FORCED, FORCED_ONLY_BUDGET, 0.0, note=f"budget {FORCED_ONLY_BUDGET:g}")
+
+
+# ----------------------------------------------------------------------------- driver
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seq-lens", type=int, nargs="+", help="default 8192 32768 131072 (--quick: 8192 32768)")
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--json", default="bench_attention.json", help="where to write the results")
+    parser.add_argument("--quick", action="store_true", help="8K and 32K only, 5 repeats")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed calls per row, median reported (default 10, --quick 5)")
+    parser.add_argument("--calibrate-len", type=int,
+                        help="calibrate the b2 row's delta once on a separate sample of this many tokens "
+                             "(default: on each length's own input)")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.seq_lens is None:
+        args.seq_lens = [8192, 32768] if args.quick else [8192, 32768, 131072]
+    if args.repeats is None:
+        args.repeats = 5 if args.quick else 10
+    if args.warmup < 3 or args.repeats < 5:
+        parser.error("need --warmup >= 3 and --repeats >= 5")
+    unit = max([BLOCK] + args.page_sizes)
+    for n in args.seq_lens + ([args.calibrate_len] if args.calibrate_len else []):
+        if n <= 0 or n % unit:
+            parser.error(f"sequence lengths must be positive multiples of {unit}, got {n}")
+    return args
+
+
+def write_json(path: str, runner: Runner, targets: list[Target] | None) -> None:
+    report = {
+        "config": {**vars(runner.args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                   "cuda": torch.version.cuda, "flash_attn_4": runner.fa4_version,
+                   "cosa": cosa.__version__, "cosa_uses_kernel": runner.uses_kernel,
+                   "heads": [NUM_QO_HEADS, NUM_KV_HEADS], "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "calibration": runner.calibration,
+        "rows": [dataclasses.asdict(r) for r in runner.rows],
+        "targets": [dict(dataclasses.asdict(t), status=t.status) for t in targets or []],
+    }
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_attention: no CUDA GPU is available; this benchmark needs one (nothing was measured).",
+              file=sys.stderr)
+        return 1
+    runner = Runner(args)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn.cute {runner.fa4_version}, "
+          f"cosa {cosa.__version__}; warm-up {args.warmup}, median of {args.repeats}, L2 not flushed", flush=True)
+    print(f"cosa.run uses the {'OSK kernel' if runner.uses_kernel else 'torch reference'}", flush=True)
+    print(TABLE_HEADER, flush=True)
+    started = time.time()
+    with torch.no_grad():
+        if args.calibrate_len:
+            runner.calibrate_on_sample(args.calibrate_len)
+        for seq in args.seq_lens:
+            runner.measure(seq)
+            torch.cuda.empty_cache()
+            write_json(args.json, runner, None)      # partial results survive a later failure
+    finish_rows(runner.rows)
+    targets = evaluate_targets(runner.rows, args.page_sizes)
+    write_json(args.json, runner, targets)
+    print(f"\nbatch 1, heads {NUM_QO_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, bf16, causal; "
+          f"{time.time() - started:.0f} s; JSON in {args.json}")
+    print(format_table(runner.rows))
+    print("\ntargets")
+    print(format_targets(targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
