@@ -50,7 +50,10 @@ query head):
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
-  (P from registers, V from smem, MN-major).
+  (P from registers, V from smem, MN-major).  With delta = 0 (no vote, no skip) a
+  separate loop schedules like FA3: the two groups take turns on the tensor cores
+  (two named barriers; one group's GEMMs run under the other's softmax) and each
+  issues PV_{j-1} together with QK_j, so PV_{j-1} also runs under softmax_j.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
@@ -106,9 +109,10 @@ QT_NUM_SELECTED = 7
 BAR_VOTE = 1
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
+BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BOX = 16  # TMA box rows: the smallest supported page size
-PRODUCER_REGS = 56
-CONSUMER_REGS = 224
+PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
+CONSUMER_REGS = 232
 
 
 def _mn_layout(acc_layout):
@@ -280,6 +284,22 @@ class OSKForward:
                 cute.group_modes(s_box, 0, 2), cute.group_modes(gX, 0, 2),
             )
             cute.copy(tma_atom, tG[None, (g & page_mask) // BOX, page], tS[None, stage], tma_bar_ptr=mbar)
+
+    @cute.jit
+    def _wait_v(self, pipe_v, st, tiled_copy_o, sV, ctid, valid_rows):
+        """Wait for V of a computed block and make it ready for PV (tail rows zeroed)."""
+        pipe_v.consumer_wait(st)
+        if valid_rows < TILE_N:
+            self._zero_v_tail(tiled_copy_o, sV, st.index, ctid, valid_rows)
+        cute.arch.fence_view_async_shared()
+
+    def _sched_wait(self, wg):
+        """Wait for warp group wg's turn on the tensor cores (ping-pong)."""
+        cute.arch.barrier(barrier_id=BAR_SCHED + wg, number_of_threads=NUM_CONSUMER_THREADS)
+
+    def _sched_arrive(self, wg):
+        """Warp group wg's GEMMs are issued: hand the turn to the other group."""
+        cute.arch.barrier_arrive(barrier_id=BAR_SCHED + 1 - wg, number_of_threads=NUM_CONSUMER_THREADS)
 
     @cute.jit
     def _zero_v_tail(self, tiled_copy_o, sV, stage, ctid, valid_rows):
@@ -551,30 +571,78 @@ class OSKForward:
             ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
                    row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
                    scale_log2, thr)
-            for it in cutlass.range(num_sel, unroll=1):
-                st = self._state(it)
-                jstart = mOrder[qt, head, it] * TILE_N
+            if thr == -Float32.inf and num_sel > 0:
+                # delta = 0: no block is skipped and no vote couples the groups, so (as in
+                # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
+                # other's softmax -- and within a group PV(j-1) runs under softmax(j).  Turns:
+                # a group waits on its own barrier before issuing its GEMMs, then arrives on
+                # the other's; group 0 goes first.
+                if wg == 0:  # group 0's first turn: arrive on its own barrier
+                    self._sched_arrive(1)
+                rP = cute.make_fragment_like(
+                    cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32), dtype)
+                tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
+                st = self._state(Int32(0))
                 pipe_k.consumer_wait(st)
+                self._sched_wait(wg)
                 cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
                 acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                self._sched_arrive(wg)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(st)
-                skip = self._mask_and_vote(ctx, acc_S, it, jstart)
-                if skip:
-                    skipped = skipped + 1
-                    pipe_v.consumer_wait(st)
-                else:
-                    computed = computed + 1
+                jstart = mOrder[qt, head, 0] * TILE_N
+                self._mask_and_vote(ctx, acc_S, 0, jstart)
+                self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
+                rP.store(acc_S.load().to(dtype))
+                self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
+                for it in cutlass.range(1, num_sel, unroll=1):
+                    prev = self._state(it - 1)
+                    st = self._state(it)
+                    pipe_k.consumer_wait(st)
+                    self._sched_wait(wg)
+                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, prev.index)
+                    self._sched_arrive(wg)
+                    warpgroup.wait_group(1)
+                    pipe_k.consumer_release(st)
+                    jstart = mOrder[qt, head, it] * TILE_N
+                    self._mask_and_vote(ctx, acc_S, it, jstart)
                     self._softmax(ctx, acc_S, corr)
+                    warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
+                    pipe_v.consumer_release(prev)
                     self._rescale_o(acc_O_mn, corr)
-                    tOrP = self._to_frgA(acc_S, dtype)
-                    pipe_v.consumer_wait(st)
-                    if jstart + TILE_N > kv_len:
-                        self._zero_v_tail(tiled_copy_o, sV, st.index, ctid, kv_len - jstart)
-                    cute.arch.fence_view_async_shared()
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
-                    warpgroup.wait_group(0)
+                    rP.store(acc_S.load().to(dtype))
+                    self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
+                st = self._state(num_sel - 1)
+                self._sched_wait(wg)
+                self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
+                if wg == 0:  # group 1's last wait needs it; group 0 has no wait left
+                    self._sched_arrive(wg)
+                warpgroup.wait_group(0)
                 pipe_v.consumer_release(st)
+                computed = num_sel
+            else:
+                for it in cutlass.range(num_sel, unroll=1):
+                    st = self._state(it)
+                    jstart = mOrder[qt, head, it] * TILE_N
+                    pipe_k.consumer_wait(st)
+                    cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
+                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                    warpgroup.wait_group(0)
+                    pipe_k.consumer_release(st)
+                    skip = self._mask_and_vote(ctx, acc_S, it, jstart)
+                    if skip:
+                        skipped = skipped + 1
+                        pipe_v.consumer_wait(st)
+                    else:
+                        computed = computed + 1
+                        self._softmax(ctx, acc_S, corr)
+                        self._rescale_o(acc_O_mn, corr)
+                        tOrP = self._to_frgA(acc_S, dtype)
+                        self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
+                        self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
+                        warpgroup.wait_group(0)
+                    pipe_v.consumer_release(st)
 
             # ---------------------------------------------------------- epilogue
             tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))
