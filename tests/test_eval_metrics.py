@@ -63,7 +63,7 @@ def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering):
     plan = cosa.plan(*uniform_page_table(1, n, n, 128, "cpu"), 2, 1, 64, 128, budget=0.6,
                      q_data_type=torch.float32)
     order = torch.empty_like(plan.order)
-    proxy_order(q, k, plan.qtiles, order)
+    proxy_order(q, k, plan.qtiles, plan.rank_base, order)
     moved = reorder_scored_blocks(order, plan.qtiles, 12, ordering, g)
     for tile in range(order.shape[0]):
         forced = 1 + (tile > 0)                          # the diagonal block, then the sink

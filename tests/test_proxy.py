@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import cosa
+from cosa.paged import uniform_page_table
 from cosa.proxy import PROXIES, cumulative_threshold_counts
+from cosa.proxy.order import order_from_scores
 from cosa.synthetic import structured_qkv
 
 import oracle
@@ -140,3 +142,24 @@ def test_cumulative_threshold_counts():
     assert cumulative_threshold_counts(probabilities, 0.79).tolist() == [2, 4]
     assert cumulative_threshold_counts(probabilities, 0.81).tolist() == [3, 4]
     assert cumulative_threshold_counts(probabilities, 0.5).tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_order_breaks_score_ties_by_the_larger_block_and_ties_signed_zeros(dtype):
+    g = torch.Generator().manual_seed(torch.seed())
+    q_len = kv_len = 1500
+    plan = cosa.plan(*uniform_page_table(1, q_len, kv_len, 128, "cpu"), HQ, HKV, D, 128,
+                     budget=0.5, q_data_type=dtype)
+    tiles, blocks = plan.qtiles.shape[0], -(-kv_len // BLOCK)
+    scores = torch.randint(-2, 3, (HQ, tiles, blocks), generator=g).to(dtype)   # many ties
+    scores[torch.rand(scores.shape, generator=g) < 0.3] = -0.0
+    scores[0, -1, :3] = torch.tensor([-math.inf, math.inf, 0.0])
+    order_from_scores(scores, plan.qtiles, plan.rank_base, plan.order)
+    schedule = oracle.tile_schedule(q_len, kv_len, True, 0.5, True, True)
+    for i, (candidates, local, selected) in enumerate(schedule):
+        forced = local + ([0] if 0 not in local else [])
+        for h in range(HQ):
+            rest = sorted((j for j in range(candidates) if j not in forced),
+                          key=lambda j: (float(scores[h, i, j]), j), reverse=True)
+            assert plan.order[i, h, :selected].tolist() == (forced + rest)[:selected]
+            assert (plan.order[i, h, selected:] == -1).all()

@@ -19,7 +19,7 @@ import torch
 from . import _C
 from .blocks import num_blocks
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
-from .proxy import check_proxy, proxy_order
+from .proxy import check_proxy, proxy_order, rank_base
 from .reference import ordered_skip_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -90,6 +90,9 @@ class Plan:
     block_pages: torch.Tensor
     qtiles: torch.Tensor
     tile_order: torch.Tensor
+    # [num_qtiles, max key blocks of a request] int64: the proxy's ranking keys before the
+    # scores (visiting priority and block index, cosa.proxy.rank_base), built once here
+    rank_base: torch.Tensor
     # buffers written by run
     order: torch.Tensor      # [num_qtiles, num_qo_heads, k_max]
     computed: torch.Tensor   # [num_qtiles, num_qo_heads]
@@ -228,6 +231,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
+    qtiles_device = to_device(qtiles)
+    max_kv_blocks = num_blocks(int(tables["kv_lens"].max(initial=0)))
+
     return Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=page_size, kv_layout=kv_layout, causal=bool(causal), budget=float(budget),
@@ -241,9 +247,10 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         min_num_pages=int(used_pages.max()) + 1 if used_pages.size else 0,
         k_max=k_max, kv_indices=kv_indices.to(device), qo_lens=to_device(tables["qo_lens"]),
         kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
-        block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
-        tile_order=to_device(tables["tile_order"]), order=order, computed=computed, skipped=skipped,
-        lse=lse, kernel=kernel)
+        block_pages=to_device(tables["block_pages"]), qtiles=qtiles_device,
+        tile_order=to_device(tables["tile_order"]),
+        rank_base=rank_base(qtiles_device, max_kv_blocks, bool(force_local), bool(force_sink)),
+        order=order, computed=computed, skipped=skipped, lse=lse, kernel=kernel)
 
 
 def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
@@ -296,9 +303,8 @@ def _requests(plan: Plan):
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     for q_rows, qtile_rows, pages, kv_len in _requests(plan):
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
-        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.order[qtile_rows],
-                    proxy=plan.proxy, causal=plan.causal, sm_scale=plan.sm_scale,
-                    force_local=plan.force_local, force_sink=plan.force_sink)
+        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.rank_base[qtile_rows],
+                    plan.order[qtile_rows], proxy=plan.proxy, causal=plan.causal, sm_scale=plan.sm_scale)
 
 
 def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:

@@ -73,7 +73,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
             candidates = plan_.qtiles[:, _C.QT_NUM_CANDIDATES].double()
             for proxy in proxies:
                 order = torch.empty_like(plan_.order)
-                proxy_order(q, k, plan_.qtiles, order, proxy=proxy, sm_scale=sm_scale)
+                proxy_order(q, k, plan_.qtiles, plan_.rank_base, order, proxy=proxy, sm_scale=sm_scale)
                 selected = order_to_mask(order, kv_blocks)
                 oracle = top_k_mask(mass, selected.sum(-1))
                 records.append({"study": "proxy", **base, "budget": budget, "proxy": proxy,

@@ -19,7 +19,7 @@ import torch
 
 from .flexprefill import cumulative_threshold_counts, flexprefill_scores
 from .kap import kap_scores
-from .order import block_means, order_from_scores, visiting_priority
+from .order import block_means, order_from_scores, rank_base, visiting_priority
 from .vertical_slash import vertical_slash_scores
 from .xattention import xattention_scores
 
@@ -38,22 +38,21 @@ def check_proxy(proxy) -> str:
     return proxy
 
 
-def proxy_order(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, out: torch.Tensor, *,
-                proxy: str = "kap", causal: bool = True, sm_scale: float | None = None,
-                force_local: bool = True, force_sink: bool = True) -> None:
+def proxy_order(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, base: torch.Tensor,
+                out: torch.Tensor, *, proxy: str = "kap", causal: bool = True,
+                sm_scale: float | None = None) -> None:
     """Writes the order mask of one request into ``out``.
 
     ``q [q_len, num_qo_heads, d]`` and ``k [kv_len, num_kv_heads, d]`` are the
-    request's queries and keys, ``qtiles`` its rows of the plan's qtile table
-    (on q's device), ``out [tiles, num_qo_heads, k_max]`` int32 receives block
+    request's queries and keys, ``qtiles`` and ``base`` its rows of the plan's
+    qtile table and ``Plan.rank_base`` (on q's device; ``base`` carries the
+    forced blocks), ``out [tiles, num_qo_heads, k_max]`` int32 receives block
     indices in visiting order, -1 past each tile's ``num_selected``.
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     scores = PROXIES[check_proxy(proxy)](q, k, qtiles, causal=causal, sm_scale=sm_scale)
-    order_from_scores(scores, qtiles, out, force_local=force_local, force_sink=force_sink)
+    order_from_scores(scores, qtiles, base, out)
 
 
-kap_order = proxy_order  # the name from before the registry; proxy="kap" is its default
-
-__all__ = ["PROXIES", "block_means", "check_proxy", "cumulative_threshold_counts", "kap_order",
-           "proxy_order", "visiting_priority"]
+__all__ = ["PROXIES", "block_means", "check_proxy", "cumulative_threshold_counts", "proxy_order",
+           "rank_base", "visiting_priority"]

@@ -13,10 +13,15 @@ from __future__ import annotations
 import torch
 
 from .. import _C
-from ..blocks import BLOCK, blocked
+from ..blocks import BLOCK
 
 # Visiting priority of a key block within its tile; higher is visited first.
 _NOT_CANDIDATE, _SCORED, _SINK, _LOCAL_LAST, _LOCAL_FIRST = range(5)
+# A block's ranking key, an int64: priority * 2**60 + score code * 2**28 + block index, the
+# score code a signed 32-bit integer (see _score_code). Distinct blocks get distinct keys, so
+# top-k needs no tie rule of its own.
+_BLOCK_BITS = 28
+_PRIORITY_SHIFT = _BLOCK_BITS + 32
 
 
 def score_dtype(q: torch.Tensor) -> torch.dtype:
@@ -24,10 +29,16 @@ def score_dtype(q: torch.Tensor) -> torch.dtype:
 
 
 def block_means(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Mean of each 128-row block of ``x [n, heads, d]`` over its valid rows: ``[heads, blocks, d]``."""
-    sums = blocked(x, dtype).sum(2)
-    rows = (x.shape[0] - torch.arange(sums.shape[1], device=x.device) * BLOCK).clamp(max=BLOCK)
-    return sums / rows[:, None].to(dtype)
+    """Mean of each 128-row block of ``x [n, heads, d]`` over its valid rows: ``[heads, blocks, d]``.
+
+    Sums in ``dtype`` straight from ``x``'s rows, without a padded copy of ``x`` in ``dtype``."""
+    n = x.shape[0]
+    whole = n - n % BLOCK
+    means = x[:whole].unflatten(0, (-1, BLOCK)).permute(2, 0, 1, 3).sum(2, dtype=dtype).div_(BLOCK)
+    if whole < n:
+        tail = x[whole:].sum(0, dtype=dtype).div_(n - whole)
+        means = torch.cat([means, tail[:, None]], dim=1)
+    return means
 
 
 def grouped_products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -58,24 +69,37 @@ def visiting_priority(qtiles: torch.Tensor, num_kv_blocks: int, force_local: boo
     return priority
 
 
-def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, out: torch.Tensor, *,
-                      force_local: bool, force_sink: bool) -> None:
+def rank_base(qtiles: torch.Tensor, num_kv_blocks: int, force_local: bool,
+              force_sink: bool) -> torch.Tensor:
+    """``[tiles, num_kv_blocks]`` int64: the ranking keys without the score code. Depends on the
+    plan only, so ``cosa.plan`` builds it once (``Plan.rank_base``). An int32 ``kv_len`` bounds
+    the block index by 2**24, well inside its 28 bits."""
+    priority = visiting_priority(qtiles, num_kv_blocks, force_local, force_sink).long()
+    return (priority << _PRIORITY_SHIFT) | torch.arange(num_kv_blocks, device=qtiles.device)
+
+
+def _score_code(scores: torch.Tensor) -> torch.Tensor:
+    """A signed 32-bit integer per score, ordered like the scores and tied where they tie
+    (-0.0 with +0.0). NaN ranks above +inf, as in ``torch.sort`` (in float32 NaNs with
+    different payloads do not tie)."""
+    if scores.dtype != torch.float32:
+        # Too wide to pack: the score's rank within its row (NaN: the row length) is as good.
+        return torch.searchsorted(scores.sort(dim=-1).values, scores)
+    # The bits of |s| order like |s| (NaN above inf); negate them for s < 0 (False for NaN).
+    magnitude = scores.abs().view(torch.int32)
+    return torch.where(scores < 0, -magnitude, magnitude)
+
+
+def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, base: torch.Tensor,
+                      out: torch.Tensor) -> None:
     """Writes the order mask for ``scores [hq, tiles, num_kv_blocks]`` into
     ``out [tiles, hq, k_max]`` (int32, -1 past each tile's ``num_selected``).
-    Scores of non-candidate blocks are ignored; they must not be NaN."""
-    num_qo_heads, _, num_kv_blocks = scores.shape
-    # Lexicographic (priority, score, block index) descending: two stable sorts,
-    # least significant key first, over blocks listed from the largest index.
-    priority = visiting_priority(qtiles, num_kv_blocks, force_local, force_sink)
-    by_score = torch.sort(scores.flip(-1), dim=-1, descending=True, stable=True).indices
-    reversed_priority = priority.flip(-1).expand(num_qo_heads, -1, -1)
-    by_priority = torch.sort(reversed_priority.gather(-1, by_score), dim=-1, descending=True,
-                             stable=True).indices
-    ranked = num_kv_blocks - 1 - by_score.gather(-1, by_priority)   # [hq, tiles, blocks]
-
-    k_max = out.shape[-1]
-    width = min(k_max, num_kv_blocks)
-    slot = torch.arange(width, device=scores.device)
-    selected = slot < qtiles[:, _C.QT_NUM_SELECTED, None, None]          # [tiles, 1, width]
-    out[..., :width] = torch.where(selected, ranked[..., :width].transpose(0, 1), -1)
-    out[..., width:] = -1
+    ``base`` is :func:`rank_base` for these tiles, at least ``num_kv_blocks`` wide.
+    Scores of non-candidate blocks are ignored."""
+    num_kv_blocks = scores.shape[-1]
+    key = torch.add(base[:, :num_kv_blocks], _score_code(scores), alpha=1 << _BLOCK_BITS)
+    # (priority, score, block index) descending; top-k's results are sorted.
+    ranked = key.topk(min(out.shape[-1], num_kv_blocks), dim=-1).indices    # [hq, tiles, width]
+    out[..., :ranked.shape[-1]] = ranked.transpose(0, 1)
+    slot = torch.arange(out.shape[-1], device=out.device)
+    out.masked_fill_(slot >= qtiles[:, _C.QT_NUM_SELECTED, None, None], -1)
