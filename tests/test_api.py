@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -39,11 +41,16 @@ def test_stats_count_blocks_per_head_and_tile(batch):
     plan = cosa.plan(*plan_args(batch), budget=0.5, delta=0.5)
     cosa.run(plan, batch.q, batch.cache)
     stats = plan.stats()
+    before = stats.computed.tolist()
     assert stats.computed.shape == stats.skipped.shape == (plan.num_qtiles, HQ)
     assert (stats.computed >= 1).all(), "the first visited block is always computed"
     assert ((stats.computed + stats.skipped) == stats.selected[:, None]).all()
     assert stats.computed_per_head.tolist() == stats.computed.sum(0).tolist()
     assert 0 < stats.density_stage2 <= stats.density_stage1 <= 1
+    skip_all = dataclasses.replace(plan, delta=1e30)
+    cosa.run(skip_all, batch.q, batch.cache)
+    assert (skip_all.stats().computed == 1).all(), "all but the first visited block skipped"
+    assert stats.computed.tolist() == before, "a Stats is a copy, untouched by later runs"
 
 
 def test_empty_batch_runs():

@@ -52,8 +52,7 @@ class Stats:
     @property
     def density_stage2(self) -> float:
         """Computed blocks over candidate blocks, all heads."""
-        heads = self.computed.shape[1] if self.computed.dim() == 2 else 1
-        return float(self.computed.sum()) / max(1, int(self.candidates.sum()) * heads)
+        return float(self.computed.sum()) / max(1, int(self.candidates.sum()) * self.computed.shape[1])
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,10 +117,13 @@ class Plan:
         return self.qtiles.shape[0]
 
     def stats(self) -> Stats:
-        """Statistics of the latest ``run`` with this plan (synchronises)."""
-        return Stats(candidates=self.qtiles[:, _C.QT_NUM_CANDIDATES].cpu(),
-                     selected=self.qtiles[:, _C.QT_NUM_SELECTED].cpu(),
-                     computed=self.computed.cpu(), skipped=self.skipped.cpu())
+        """Statistics of the latest ``run`` with this plan (synchronises). A copy: later
+        runs leave it as it is."""
+        def copy(x: torch.Tensor) -> torch.Tensor:
+            return x.to("cpu", copy=True)
+        return Stats(candidates=copy(self.qtiles[:, _C.QT_NUM_CANDIDATES]),
+                     selected=copy(self.qtiles[:, _C.QT_NUM_SELECTED]),
+                     computed=copy(self.computed), skipped=copy(self.skipped))
 
 
 def _check_index_tensor(name: str, x, device: torch.device | None = None) -> torch.Tensor:
