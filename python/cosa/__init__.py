@@ -12,12 +12,14 @@ from pathlib import Path
 
 from .api import CoSAPrefillWrapper, Plan, Stats, order_mask, plan, run
 from .calibrate import calibrate_delta
+from .merge import merge_states
 
 try:
     __version__ = version("cosa")      # defined once, in csrc/include/cosa/cosa.h
 except PackageNotFoundError:           # imported from a source tree
     __version__ = "unknown"
-__all__ = ["CoSAPrefillWrapper", "Plan", "Stats", "calibrate_delta", "cmake_prefix_path", "order_mask", "plan", "run"]
+__all__ = ["CoSAPrefillWrapper", "Plan", "Stats", "calibrate_delta", "cmake_prefix_path",
+           "merge_states", "order_mask", "plan", "run"]
 
 
 def cmake_prefix_path() -> str:
