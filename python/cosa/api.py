@@ -170,6 +170,32 @@ def check_workspace(workspace) -> torch.Tensor:
     return workspace
 
 
+def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale,
+                        q_data_type, kv_data_type, kv_layout, proxy) -> float:
+    """Checks plan's scalar arguments (the page table's content is the C++ layer's); returns sm_scale."""
+    check_kv_layout(kv_layout)
+    check_proxy(proxy)
+    _check_positive_int("num_qo_heads", num_qo_heads)
+    _check_positive_int("num_kv_heads", num_kv_heads)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    _check_positive_int("page_size", page_size)
+    for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
+        if dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise TypeError(f"budget must be a float, got {type(budget).__name__}")
+    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < math.inf:
+        raise ValueError(f"delta must be a finite float >= 0, got {delta!r}")
+    if sm_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if not 0 < sm_scale < math.inf:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    return sm_scale
+
+
 def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
          kv_last_page_len: torch.Tensor, num_qo_heads: int, num_kv_heads: int, head_dim: int,
          page_size: int, *, causal: bool = True, budget: float = 0.25, delta: float = 0.05,
@@ -184,31 +210,14 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     ``delta`` the stage-2 knob (0 turns skipping off), ``proxy`` the stage-1
     scorer (``cosa.proxy.PROXIES``; CoSA's own is ``"kap"``).
     """
-    check_kv_layout(kv_layout)
-    check_proxy(proxy)
+    kv_data_type = kv_data_type or q_data_type
+    sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
+                                   sm_scale, q_data_type, kv_data_type, kv_layout, proxy)
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
                     ("kv_last_page_len", kv_last_page_len)):
         _check_index_tensor(name, x, kv_indices.device)
-    _check_positive_int("num_qo_heads", num_qo_heads)
-    _check_positive_int("num_kv_heads", num_kv_heads)
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    _check_positive_int("page_size", page_size)
-    for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type or q_data_type)):
-        if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise TypeError(f"budget must be a float, got {type(budget).__name__}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < math.inf:
-        raise ValueError(f"delta must be a finite float >= 0, got {delta!r}")
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(head_dim)
-    elif not 0 < sm_scale < math.inf:
-        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
 
     host = {name: x.cpu().numpy() for name, x in (
         ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
@@ -228,7 +237,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
         ((num_qtiles, num_qo_heads), torch.int32),
         ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32)])
-    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type or q_data_type)
+    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type)
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -241,7 +250,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         page_size=page_size, kv_layout=kv_layout, causal=bool(causal), budget=float(budget),
         delta=float(delta), sm_scale=float(sm_scale), force_local=bool(force_local),
         force_sink=bool(force_sink), proxy=proxy, q_data_type=q_data_type,
-        kv_data_type=kv_data_type or q_data_type, device=device,
+        kv_data_type=kv_data_type, device=device,
         qo_indptr_host=tuple(int(x) for x in host["qo_indptr"]),
         kv_indptr_host=tuple(int(x) for x in host["kv_indptr"]),
         kv_lens_host=tuple(int(x) for x in tables["kv_lens"]),
