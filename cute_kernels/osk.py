@@ -11,7 +11,7 @@ log_delta, kv_layout="NHD", causal=True) -> None``
     Launches the kernel on the current torch stream; writes ``o``, ``lse``,
     ``computed`` and ``skipped`` in place; no host sync and no allocation
     (except a 1-element stand-in when ``order`` or ``block_pages`` is empty), so it
-    should be CUDA-graph capturable once compiled (not yet tested).  Every
+    is CUDA-graph capturable once compiled (tests/test_cuda_graph.py).  Every
     (qtile, head) listed in ``tile_order`` is written (rows of a tile with no
     computed key: o = 0, lse = -inf).
 
