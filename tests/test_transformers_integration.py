@@ -87,3 +87,32 @@ def test_capture_qkv_records_what_attention_read(model_and_ids):
         assert q.shape == (333, 4, 64) and k.shape == v.shape == (333, 2, 64)
         o, _ = dense_attention(q.double(), k.double(), v.double(), causal=True, sm_scale=64 ** -0.5)
         torch.testing.assert_close(o.reshape(1, 333, 256), o_proj_input.double(), rtol=1e-5, atol=1e-5)
+
+
+FAMILIES = {   # head_dim 64 (hidden 256 / 4 heads): a head_dim the kernel has
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 64}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None, "head_dim": 64}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_other_families_prefill_through_cosa(family):
+    """Same attention signature as Llama: every layer's prefill goes through a CoSA plan,
+    and at full budget without skipping the logits equal SDPA's."""
+    config_name, model_name, extra = FAMILIES[family]
+    seed = torch.seed() % 2**31
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(
+        vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        attn_implementation="sdpa", **extra)
+    model = getattr(transformers, model_name)(config).eval().double()
+    ids = torch.randint(512, (1, 300), generator=torch.Generator().manual_seed(seed))
+    dense = model(ids).logits
+    cosa_hf.register(budget=1.0, delta=0.0)
+    model.set_attn_implementation("cosa")
+    torch.testing.assert_close(model(ids).logits, dense, rtol=1e-9, atol=1e-9)
+    for layer in model.model.layers:
+        assert layer.self_attn.cosa_plan.stats().density_stage2 == 1.0, "the layer ran through CoSA"
