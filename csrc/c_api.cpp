@@ -1,44 +1,32 @@
 // The C API over remap.hpp: exceptions become a status and a thread-local message.
-#include <exception>
-#include <new>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
-#include "cosa/cosa.h"
-#include "remap.hpp"
+#include "c_api.hpp"
 
-struct cosa_remap_plan {
-    cosa::Plan plan;
-};
+namespace cosa {
+
+Plan build_plan(const cosa_remap_args& args) {
+    PlanArgs plan_args;
+    plan_args.qo_indptr = {args.qo_indptr, args.qo_indptr_size};
+    plan_args.kv_indptr = {args.kv_indptr, args.kv_indptr_size};
+    plan_args.kv_indices = {args.kv_indices, args.kv_indices_size};
+    plan_args.kv_last_page_len = {args.kv_last_page_len, args.kv_last_page_len_size};
+    plan_args.num_pages = args.num_pages;
+    plan_args.page_size = args.page_size;
+    plan_args.num_qo_heads = args.num_qo_heads;
+    plan_args.causal = args.causal;
+    plan_args.budget = args.budget;
+    plan_args.force_local = args.force_local;
+    plan_args.force_sink = args.force_sink;
+    return build_plan(plan_args);
+}
+
+}  // namespace cosa
 
 namespace {
 
-thread_local std::string last_error;
-
-// Runs `body`, translating what it throws into a status and last_error.
-template <class Body>
-cosa_status guarded(Body&& body) noexcept {
-    try {
-        body();
-        last_error.clear();
-        return COSA_OK;
-    } catch (const std::invalid_argument& e) {
-        last_error = e.what();
-        return COSA_ERROR_INVALID_ARGUMENT;
-    } catch (const std::bad_alloc&) {
-        last_error = "out of memory";
-    } catch (const std::exception& e) {
-        last_error = std::string("internal error: ") + e.what();
-    } catch (...) {
-        last_error = "internal error: unknown exception";
-    }
-    return COSA_ERROR_INTERNAL;
-}
-
-void require(const void* pointer, const char* name) {
-    if (pointer == nullptr) throw std::invalid_argument(std::string(name) + " must not be NULL");
-}
+using cosa::guarded;
+using cosa::require;
 
 const int32_t* data_or_null(const cosa_remap_plan* plan, std::vector<int32_t> cosa::Plan::*array) {
     return plan == nullptr ? nullptr : (plan->plan.*array).data();
@@ -50,25 +38,13 @@ extern "C" {
 
 int cosa_version(void) { return COSA_VERSION; }
 
-const char* cosa_last_error(void) { return last_error.c_str(); }
+const char* cosa_last_error(void) { return cosa::last_error().c_str(); }
 
 cosa_status cosa_remap_plan_create(const cosa_remap_args* args, cosa_remap_plan** out) {
     return guarded([&] {
         require(args, "args");
         require(out, "out");
-        cosa::PlanArgs plan_args;
-        plan_args.qo_indptr = {args->qo_indptr, args->qo_indptr_size};
-        plan_args.kv_indptr = {args->kv_indptr, args->kv_indptr_size};
-        plan_args.kv_indices = {args->kv_indices, args->kv_indices_size};
-        plan_args.kv_last_page_len = {args->kv_last_page_len, args->kv_last_page_len_size};
-        plan_args.num_pages = args->num_pages;
-        plan_args.page_size = args->page_size;
-        plan_args.num_qo_heads = args->num_qo_heads;
-        plan_args.causal = args->causal;
-        plan_args.budget = args->budget;
-        plan_args.force_local = args->force_local;
-        plan_args.force_sink = args->force_sink;
-        *out = new cosa_remap_plan{cosa::build_plan(plan_args)};
+        *out = new cosa_remap_plan{cosa::build_plan(*args)};
     });
 }
 

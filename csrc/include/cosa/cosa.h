@@ -61,7 +61,9 @@ enum cosa_qtile_column {
 typedef enum cosa_status {
     COSA_OK = 0,
     COSA_ERROR_INVALID_ARGUMENT = 1, /* the input breaks a documented rule */
-    COSA_ERROR_INTERNAL = 2          /* out of memory or a bug in cosa */
+    COSA_ERROR_INTERNAL = 2,         /* out of memory or a bug in cosa */
+    COSA_ERROR_UNSUPPORTED = 3,      /* libcosa was built without the kernels */
+    COSA_ERROR_CUDA = 4              /* a CUDA call failed; the message names it */
 } cosa_status;
 
 /* The version of the loaded library (COSA_VERSION of its build). */
@@ -155,6 +157,89 @@ COSA_API const int32_t* cosa_remap_plan_tile_order(const cosa_remap_plan* plan);
 COSA_API cosa_status cosa_remap_resolve_order(const cosa_remap_plan* plan, const int32_t* order,
                                               int64_t order_size, int32_t* out_pages,
                                               int64_t out_pages_size);
+
+/* ------------------------------------------------------------------------
+ * Attention: the OSK kernel (stage 2) on device pointers, no Python needed.
+ * Present when libcosa was built with -DCOSA_AOT_KERNELS=ON (the kernels are
+ * exported ahead of time and linked in; docs/design.md "Ahead-of-time
+ * kernels"); otherwise cosa_plan_create returns COSA_ERROR_UNSUPPORTED.
+ * Needs an SM90 GPU and the CUDA driver at run time (the CUDA runtime is
+ * linked statically). Stage 1, the proxy, is not part of it: the caller
+ * passes the order mask (see cosa_run_args.order).
+ * ------------------------------------------------------------------------ */
+
+/* Whether this libcosa carries the kernels. */
+COSA_API bool cosa_has_kernels(void);
+
+typedef enum cosa_dtype {
+    COSA_DTYPE_BFLOAT16 = 0,
+    COSA_DTYPE_FLOAT16 = 1
+} cosa_dtype;
+
+typedef struct cosa_plan_args {
+    cosa_remap_args remap; /* page table and selection, as for cosa_remap_plan_create */
+    int32_t num_kv_heads;  /* divides remap.num_qo_heads */
+    int32_t head_dim;      /* 64 or 128 */
+    cosa_dtype dtype;      /* of q, the cache and o */
+    double sm_scale;       /* logit scale, > 0 (usually 1/sqrt(head_dim)) */
+    double delta;          /* stage-2 skip threshold, >= 0; 0 computes every selected block */
+} cosa_plan_args;
+
+typedef struct cosa_plan cosa_plan;
+
+/*
+ * Validates args, builds the remap plan and copies its tables to memory the
+ * plan owns on the current CUDA device (a synchronous copy); the plan may
+ * then be run on that device only, from any stream.
+ */
+COSA_API cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out);
+
+/* Frees a plan and its device memory; NULL is a no-op. */
+COSA_API void cosa_plan_destroy(cosa_plan* plan);
+
+/* The plan's host tables (sizes, qtiles, ...), owned by the plan. */
+COSA_API const cosa_remap_plan* cosa_plan_remap(const cosa_plan* plan);
+
+/*
+ * Device pointers of one run; strides are in elements. q and o are
+ * [total_q, num_qo_heads, head_dim] with a contiguous last dim: *_strides =
+ * {token, head}. The caches are [num_pages, ...] with a contiguous last dim:
+ * *_strides = {page, token within the page, head}, so NHD
+ * [num_pages, page_size, H, D] is {page_size*H*D, H*D, D} and HND
+ * [num_pages, H, page_size, D] is {H*page_size*D, D, page_size*D}; views of
+ * one combined [num_pages, 2, ...] cache are fine. Every stride is a multiple
+ * of 8 and every q, k, v, o pointer 16-byte aligned.
+ */
+typedef struct cosa_run_args {
+    const void* q;
+    int64_t q_strides[2];
+    const void* k_cache;
+    int64_t k_strides[3];
+    const void* v_cache;
+    int64_t v_strides[3];
+    /* int32 [num_qtiles][num_qo_heads][k_max], contiguous: each tile's key
+     * blocks in visiting order, as for cosa_remap_resolve_order (the proxy's
+     * output, e.g. Python's cosa.order_mask; local blocks first keeps every
+     * row's running max finite from the first block). Not checked on device. */
+    const int32_t* order;
+    void* o;
+    int64_t o_strides[2];
+    /* Optional (NULL: plan-owned scratch): float [total_q][num_qo_heads]
+     * contiguous, ln of each row's softmax denominator, -inf when no key was
+     * computed; int32 [num_qtiles][num_qo_heads] contiguous, blocks computed /
+     * skipped by stage 2. */
+    float* lse;
+    int32_t* computed;
+    int32_t* skipped;
+} cosa_run_args;
+
+/*
+ * Enqueues the kernel on stream (a cudaStream_t; NULL is the legacy default
+ * stream): no allocation and no host sync, so it may be captured in a CUDA
+ * graph. Runs sharing a plan's scratch (NULL lse/computed/skipped) must not
+ * overlap. Host-side checks only: bad device pointers are not detected.
+ */
+COSA_API cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

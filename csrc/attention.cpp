@@ -1,0 +1,277 @@
+// The attention C API (cosa_plan_*, cosa_run): the remap plan's tables in device
+// memory, launched with the OSK kernels that cute_kernels/aot.py exported ahead of
+// time. Without COSA_AOT_KERNELS only the argument checks are compiled.
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <string>
+#include <type_traits>
+
+#include "c_api.hpp"
+
+#ifdef COSA_AOT_KERNELS
+#include <cuda_runtime.h>
+
+namespace cosa {
+void check_cuda(cudaError_t err, const char* what) {
+    if (err != cudaSuccess)
+        throw CudaError(std::string(what) + ": " + cudaGetErrorName(err) + ": " + cudaGetErrorString(err));
+}
+}  // namespace cosa
+
+// The exported headers report CUDA errors through this macro: throw, don't print.
+#define CUTE_DSL_CUDA_ERROR_CHECK(err) cosa::check_cuda((err), "loading the OSK kernels")
+#include "cosa_osk_bf16_d128.h"
+#include "cosa_osk_bf16_d64.h"
+#include "cosa_osk_fp16_d128.h"
+#include "cosa_osk_fp16_d64.h"
+#endif
+
+struct cosa_plan {
+    cosa_remap_plan remap;
+    cosa_plan_args args;
+    int64_t total_q = 0;
+    int device = 0;
+    // One device allocation of int32 words: the plan tables, then the scratch.
+    int32_t* words = nullptr;
+    int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
+            tile_order = 0, lse = 0, computed = 0, skipped = 0, num_words = 0;
+
+    ~cosa_plan();
+};
+
+namespace {
+
+using cosa::guarded;
+using cosa::require;
+
+[[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
+
+void check_plan_args(const cosa_plan_args& a) {
+    if (a.num_kv_heads <= 0 || a.remap.num_qo_heads % a.num_kv_heads != 0)
+        invalid("num_kv_heads must be positive and divide num_qo_heads, got num_kv_heads=" +
+                std::to_string(a.num_kv_heads) + ", num_qo_heads=" + std::to_string(a.remap.num_qo_heads));
+    if (a.head_dim != 64 && a.head_dim != 128)
+        invalid("head_dim must be 64 or 128, got " + std::to_string(a.head_dim));
+    if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
+        invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
+                std::to_string(static_cast<int>(a.dtype)));
+    if (!(std::isfinite(a.sm_scale) && a.sm_scale > 0))
+        invalid("sm_scale must be finite and > 0, got " + std::to_string(a.sm_scale));
+    if (!(std::isfinite(a.delta) && a.delta >= 0))
+        invalid("delta must be finite and >= 0, got " + std::to_string(a.delta));
+    if (a.remap.num_pages > std::numeric_limits<int32_t>::max())
+        invalid("num_pages must fit in int32, got " + std::to_string(a.remap.num_pages));
+}
+
+// q, k, v and o: the kernel reads 16-byte vectors along a contiguous last dim.
+void check_operand(const void* data, const int64_t* strides, int rank, const char* name) {
+    require(data, name);
+    if (reinterpret_cast<std::uintptr_t>(data) % 16 != 0) invalid(std::string(name) + " must be 16-byte aligned");
+    for (int i = 0; i < rank; ++i)
+        if (strides[i] <= 0 || strides[i] % 8 != 0)
+            invalid(std::string(name) + " strides must be positive multiples of 8, got stride[" +
+                    std::to_string(i) + "]=" + std::to_string(strides[i]));
+}
+
+}  // namespace
+
+#ifdef COSA_AOT_KERNELS
+namespace {
+
+// A tensor as the exported launchers take it: its leading dynamic extents and strides.
+struct Tensor {
+    void* data;
+    int32_t shape[3];
+    int64_t stride[3];
+};
+
+struct Launch {
+    Tensor q, k, v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order,
+        order, computed, skipped;
+    float sm_scale, log_delta;
+    int32_t page_shift, group, causal, num_tiles;
+};
+
+template <class T, class = void>
+struct has_strides : std::false_type {};
+template <class T>
+struct has_strides<T, std::void_t<decltype(T::dynamic_strides)>> : std::true_type {};
+
+// Fills one of the exported argument structs (they differ only in array lengths).
+template <class T>
+T descriptor(const Tensor& t) {
+    T d{};
+    d.data = t.data;
+    for (std::size_t i = 0; i < std::size(d.dynamic_shapes); ++i) d.dynamic_shapes[i] = t.shape[i];
+    if constexpr (has_strides<T>::value)
+        for (std::size_t i = 0; i < std::size(d.dynamic_strides); ++i) d.dynamic_strides[i] = t.stride[i];
+    return d;
+}
+
+// One launcher per exported configuration; its module is loaded on first use.
+#define COSA_OSK_LAUNCHER(P)                                                                   \
+    int32_t P##_launch(const Launch& a, cudaStream_t stream) {                                 \
+        static P##_Kernel_Module_t module = [] {                                               \
+            P##_Kernel_Module_t m;                                                             \
+            P##_Kernel_Module_Load(&m);                                                        \
+            return m;                                                                          \
+        }();                                                                                   \
+        auto q = descriptor<P##_Tensor_mQ_t>(a.q);                                             \
+        auto k = descriptor<P##_Tensor_mK_t>(a.k);                                             \
+        auto v = descriptor<P##_Tensor_mV_t>(a.v);                                             \
+        auto o = descriptor<P##_Tensor_mO_t>(a.o);                                             \
+        auto lse = descriptor<P##_Tensor_mLSE_t>(a.lse);                                       \
+        auto block_pages = descriptor<P##_Tensor_mBlockPages_t>(a.block_pages);                \
+        auto kv_block_indptr = descriptor<P##_Tensor_mKvBlockIndptr_t>(a.kv_block_indptr);     \
+        auto qo_lens = descriptor<P##_Tensor_mQoLens_t>(a.qo_lens);                            \
+        auto kv_lens = descriptor<P##_Tensor_mKvLens_t>(a.kv_lens);                            \
+        auto qtiles = descriptor<P##_Tensor_mQtiles_t>(a.qtiles);                              \
+        auto tile_order = descriptor<P##_Tensor_mTileOrder_t>(a.tile_order);                   \
+        auto order = descriptor<P##_Tensor_mOrder_t>(a.order);                                 \
+        auto computed = descriptor<P##_Tensor_mComputed_t>(a.computed);                        \
+        auto skipped = descriptor<P##_Tensor_mSkipped_t>(a.skipped);                           \
+        return cute_dsl_##P##_wrapper(&module, &q, &k, &v, &o, &lse, &block_pages,             \
+                                      &kv_block_indptr, &qo_lens, &kv_lens, &qtiles,           \
+                                      &tile_order, &order, &computed, &skipped, a.sm_scale,    \
+                                      a.log_delta, a.page_shift, a.group, a.causal,            \
+                                      a.num_tiles, stream);                                    \
+    }
+
+COSA_OSK_LAUNCHER(cosa_osk_bf16_d64)
+COSA_OSK_LAUNCHER(cosa_osk_bf16_d128)
+COSA_OSK_LAUNCHER(cosa_osk_fp16_d64)
+COSA_OSK_LAUNCHER(cosa_osk_fp16_d128)
+
+int32_t launch(cosa_dtype dtype, int32_t head_dim, const Launch& a, cudaStream_t stream) {
+    const bool bf16 = dtype == COSA_DTYPE_BFLOAT16;
+    if (head_dim == 64) return bf16 ? cosa_osk_bf16_d64_launch(a, stream) : cosa_osk_fp16_d64_launch(a, stream);
+    return bf16 ? cosa_osk_bf16_d128_launch(a, stream) : cosa_osk_fp16_d128_launch(a, stream);
+}
+
+}  // namespace
+
+cosa_plan::~cosa_plan() { cudaFree(words); }  // the device is the plan's; errors cannot be reported
+
+#else
+cosa_plan::~cosa_plan() = default;
+#endif
+
+extern "C" {
+
+bool cosa_has_kernels(void) {
+#ifdef COSA_AOT_KERNELS
+    return true;
+#else
+    return false;
+#endif
+}
+
+cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
+    return guarded([&] {
+        require(args, "args");
+        require(out, "out");
+        check_plan_args(*args);
+        cosa::Plan host = cosa::build_plan(args->remap);
+#ifdef COSA_AOT_KERNELS
+        auto plan = std::make_unique<cosa_plan>();
+        plan->args = *args;
+        plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
+        int64_t at = 0;
+        auto carve = [&](int64_t& offset, int64_t words) { offset = at; at += words; };
+        carve(plan->qo_lens, static_cast<int64_t>(host.qo_lens.size()));
+        carve(plan->kv_lens, static_cast<int64_t>(host.kv_lens.size()));
+        carve(plan->kv_block_indptr, static_cast<int64_t>(host.kv_block_indptr.size()));
+        carve(plan->block_pages, static_cast<int64_t>(host.block_pages.size()));
+        carve(plan->qtiles, static_cast<int64_t>(host.qtiles.size()));
+        carve(plan->tile_order, static_cast<int64_t>(host.tile_order.size()));
+        carve(plan->lse, plan->total_q * host.num_qo_heads);  // float, 4 bytes like int32
+        carve(plan->computed, host.num_tiles());
+        carve(plan->skipped, host.num_tiles());
+        plan->num_words = at;
+        cosa::check_cuda(cudaGetDevice(&plan->device), "cudaGetDevice");
+        cosa::check_cuda(cudaMalloc(reinterpret_cast<void**>(&plan->words),
+                                    static_cast<std::size_t>(std::max<int64_t>(at, 1)) * sizeof(int32_t)),
+                         "cudaMalloc");
+        auto upload = [&](int64_t offset, const std::vector<int32_t>& table) {
+            cosa::check_cuda(cudaMemcpy(plan->words + offset, table.data(), table.size() * sizeof(int32_t),
+                                        cudaMemcpyHostToDevice),
+                             "cudaMemcpy");
+        };
+        upload(plan->qo_lens, host.qo_lens);
+        upload(plan->kv_lens, host.kv_lens);
+        upload(plan->kv_block_indptr, host.kv_block_indptr);
+        upload(plan->block_pages, host.block_pages);
+        upload(plan->qtiles, host.qtiles);
+        upload(plan->tile_order, host.tile_order);
+        plan->remap.plan = std::move(host);
+        *out = plan.release();
+#else
+        throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");
+#endif
+    });
+}
+
+void cosa_plan_destroy(cosa_plan* plan) { delete plan; }
+
+const cosa_remap_plan* cosa_plan_remap(const cosa_plan* plan) { return plan == nullptr ? nullptr : &plan->remap; }
+
+cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* stream) {
+    return guarded([&] {
+        require(plan, "plan");
+        require(args, "args");
+        check_operand(args->q, args->q_strides, 2, "q");
+        check_operand(args->k_cache, args->k_strides, 3, "k_cache");
+        check_operand(args->v_cache, args->v_strides, 3, "v_cache");
+        check_operand(args->o, args->o_strides, 2, "o");
+        const cosa::Plan& p = plan->remap.plan;
+        if (p.num_tiles() == 0) return;  // no query rows: nothing to write
+        require(args->order, "order");
+#ifdef COSA_AOT_KERNELS
+        int device = 0;
+        cosa::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+        if (device != plan->device)
+            invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
+                    std::to_string(device));
+        const cosa_plan_args& a = plan->args;
+        const int32_t hq = p.num_qo_heads, page_size = a.remap.page_size, nq = static_cast<int32_t>(p.num_qtiles());
+        const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(a.remap.num_pages);
+        int32_t* w = plan->words;
+        Launch l{};
+        l.q = {const_cast<void*>(args->q), {total_q, hq}, {args->q_strides[0], args->q_strides[1]}};
+        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.num_kv_heads},
+               {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
+        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.num_kv_heads},
+               {args->v_strides[0], args->v_strides[1], args->v_strides[2]}};
+        l.o = {args->o, {total_q, hq}, {args->o_strides[0], args->o_strides[1]}};
+        l.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
+        l.block_pages = {w + plan->block_pages, {static_cast<int32_t>(p.num_kv_blocks()), p.pages_per_block},
+                         {p.pages_per_block}};
+        l.kv_block_indptr = {w + plan->kv_block_indptr, {static_cast<int32_t>(p.batch_size()) + 1}, {}};
+        l.qo_lens = {w + plan->qo_lens, {static_cast<int32_t>(p.batch_size())}, {}};
+        l.kv_lens = {w + plan->kv_lens, {static_cast<int32_t>(p.batch_size())}, {}};
+        l.qtiles = {w + plan->qtiles, {nq, COSA_QT_COLUMNS}, {COSA_QT_COLUMNS}};
+        l.tile_order = {w + plan->tile_order, {static_cast<int32_t>(p.num_tiles()), 2}, {2}};
+        l.order = {const_cast<int32_t*>(args->order), {nq, hq, p.k_max},
+                   {static_cast<int64_t>(hq) * p.k_max, p.k_max}};
+        l.computed = {args->computed != nullptr ? args->computed : w + plan->computed, {nq, hq}, {hq}};
+        l.skipped = {args->skipped != nullptr ? args->skipped : w + plan->skipped, {nq, hq}, {hq}};
+        l.sm_scale = static_cast<float>(a.sm_scale);
+        l.log_delta = a.delta > 0 ? static_cast<float>(std::log(a.delta)) : -std::numeric_limits<float>::infinity();
+        l.page_shift = static_cast<int32_t>(std::log2(page_size));
+        l.group = hq / a.num_kv_heads;
+        l.causal = a.remap.causal ? 1 : 0;
+        l.num_tiles = static_cast<int32_t>(p.num_tiles());
+        const int32_t ret = launch(a.dtype, a.head_dim, l, static_cast<cudaStream_t>(stream));
+        if (ret != 0) throw cosa::CudaError("OSK kernel launch failed with code " + std::to_string(ret));
+#else
+        (void)stream;
+        throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");
+#endif
+    });
+}
+
+}  // extern "C"
