@@ -70,7 +70,7 @@ def render(records, config) -> str:
                       [[r["length"], r["depth"], mark(r["dense_found"]), mark(r["cosa_found"]),
                         "yes" if r["dense_found"] == r["cosa_found"] else "**no**",
                         f"{r['density_stage1']:.2f} / {r['density_stage2']:.2f}",
-                        f"`{r['dense_answer']}` / `{r['cosa_answer']}`"] for r in needle])
+                        f"`{_one_line(r['dense_answer'])}` / `{_one_line(r['cosa_answer'])}`"] for r in needle])
     long_context = [r for r in records if r["study"] == "long_context"]
     if long_context:
         out += ["", "### Long context, structured inputs with a far needle", ""]
@@ -80,6 +80,11 @@ def render(records, config) -> str:
                         r["cosine_dense"], r["error"],
                         f"{r['density_stage1']:.3f} / {r['density_stage2']:.3f}"] for r in long_context])
     return "\n".join(out)
+
+
+def _one_line(text: str) -> str:
+    """A model's answer as one table cell: newlines would break the markdown row."""
+    return " ".join(text.split())
 
 
 def write_markdown(path, records, config) -> None:
