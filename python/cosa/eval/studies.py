@@ -84,7 +84,9 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
                     if ordering != "descending" and budget not in ordering_budgets:
                         continue
                     visit_order = reorder_scored_blocks(order, plan_.qtiles, kv_blocks, ordering, generator)
-                    for delta in deltas if ordering == "descending" else ordering_deltas:
+                    # the ablation compares orders at equal delta, so descending runs its deltas too
+                    ablation_deltas = ordering_deltas if budget in ordering_budgets else ()
+                    for delta in sorted({*deltas, *ablation_deltas}) if ordering == "descending" else ablation_deltas:
                         visited = torch.zeros(order.shape, dtype=torch.bool, device=order.device)
                         o, _, computed, skipped = ordered_skip_attention(
                             q, k, v, visit_order, causal=True, sm_scale=sm_scale, delta=delta, visited=visited)
