@@ -39,21 +39,24 @@ One CTA of three warp groups (384 threads) owns one work tile = (128-row query t
 query head):
 
 - warp group 0, the producer (register budget lowered with ``setmaxnreg``), loads Q
-  with cp.async; then one warp walks the tile's order and, per logical key block j,
-  issues 128/16 TMA boxes of 16 rows x D for K_j and V_j straight from the paged
-  cache (several pages per block for small pages, a slice of a page for large
-  ones; a box never crosses a page since every page size is a multiple of 16) into
-  a 2-stage ring of 128B-swizzled smem buffers completed by transaction-count
-  mbarriers (``PipelineTmaAsync``).  TMA cannot zero-fill keys past kv_len inside a
+  with cp.async; then warp 0 walks the tile's order and, per logical key block j,
+  issues 128/16 TMA boxes of 16 rows x D for K_j straight from the paged cache
+  (several pages per block for small pages, a slice of a page for large ones; a box
+  never crosses a page since every page size is a multiple of 16) into a 2-stage
+  ring of 128B-swizzled smem buffers completed by transaction-count mbarriers
+  (``PipelineTmaAsync``).  Warp 1 loads V_j the same way, but with stage 2 on only
+  for the blocks the consumers' vote computes (decisions reach it through a small
+  smem ring, ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys past kv_len inside a
   page, so for a partial last block the consumers zero those V rows in smem before
   PV (masked K columns are overwritten with -inf);
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
-  (P from registers, V from smem, MN-major).  With delta = 0 (no vote, no skip) a
-  separate loop schedules like FA3: the two groups take turns on the tensor cores
-  (two named barriers; one group's GEMMs run under the other's softmax) and each
-  issues PV_{j-1} together with QK_j, so PV_{j-1} also runs under softmax_j.
+  (P from registers, V from smem, MN-major), PV of a computed block issued one
+  block late so that it runs under the next block's vote and softmax.  With
+  delta = 0 (no vote, no skip) a separate loop schedules like FA3: the two groups
+  take turns on the tensor cores (two named barriers; one group's GEMMs run under
+  the other's softmax) and each issues PV_{j-1} together with QK_j.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
@@ -61,8 +64,7 @@ block and ``max over valid rows (mloc - m) < thr``, where a row whose block
 logits are all masked contributes ``-inf``.  One decision per tile: each consumer
 warp reduces its rows, writes its max to a double-buffered smem slot, a named
 barrier over the 256 consumer threads, every thread reads all eight.  A skipped
-block still waits for V_j's stage before releasing it, which keeps the mbarrier
-phases exact; it does no exp and no PV.
+block does no exp, no PV and loads no V.
 
 Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), all
 strides, NHD/HND (a permuted view), causal, the GQA group, batch shape and scalars
@@ -91,6 +93,8 @@ from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
+from .aot import load_kernel  # noqa: E402
+
 __all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
 
 HEAD_DIMS = (64, 128)
@@ -111,6 +115,7 @@ BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BOX = 16  # TMA box rows: the smallest supported page size
+DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
 
@@ -191,7 +196,9 @@ class OSKForward:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_decision: cute.struct.MemRange[cutlass.Int64, 2 * DECISION_SLOTS]
             vote: cute.struct.Align[cute.struct.MemRange[Float32, 2 * NUM_CONSUMER_WARPS], 16]
+            decision: cute.struct.MemRange[Int32, DECISION_SLOTS]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
@@ -291,7 +298,6 @@ class OSKForward:
         pipe_v.consumer_wait(st)
         if valid_rows < TILE_N:
             self._zero_v_tail(tiled_copy_o, sV, st.index, ctid, valid_rows)
-        cute.arch.fence_view_async_shared()
 
     def _sched_wait(self, wg):
         """Wait for warp group wg's turn on the tensor cores (ping-pong)."""
@@ -340,12 +346,6 @@ class OSKForward:
         for k in cutlass.range_constexpr(cute.size(tOrP.shape[2])):
             cute.gemm(pv_atom, acc_O, tOrP[None, None, k], tOrVt[None, None, k, stage], acc_O)
         warpgroup.commit_group()
-
-    @cute.jit
-    def _to_frgA(self, acc_S, dtype: cutlass.Constexpr):
-        rP = cute.make_fragment_like(acc_S, dtype)
-        rP.store(acc_S.load().to(dtype))
-        return cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
 
     @cute.jit
     def _mask_and_vote(self, ctx, acc_S, it, jstart):
@@ -478,6 +478,7 @@ class OSKForward:
         sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
         sVote = storage.vote.get_tensor(cute.make_layout((2 * NUM_CONSUMER_WARPS,)))
+        sDecision = storage.decision.get_tensor(cute.make_layout((DECISION_SLOTS,)))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS)
         consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_THREADS)
@@ -495,6 +496,12 @@ class OSKForward:
         pipe_v = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=S, producer_group=one,
             consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
+        )
+        # stage-2 decisions, consumer thread 0 -> the V warp (1 = skipped)
+        pipe_decision = pipeline.PipelineAsync.create(
+            barrier_storage=storage.mbar_decision.data_ptr(), num_stages=DECISION_SLOTS,
+            producer_group=one, consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            defer_sync=True,
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
@@ -518,21 +525,36 @@ class OSKForward:
 
             page_mask = (Int32(1) << page_shift) - 1
             if warp_idx == 0:
+                # K of every block in the tile's order
                 cpasync.prefetch_descriptor(tma_atom_K)
-                cpasync.prefetch_descriptor(tma_atom_V)
                 # per box: source (BOX, D) tile of (page row box, page); dest box of a stage
                 gK = cute.local_tile(mK[None, None, kv_head, None], (BOX, D), (None, 0, None))
-                gV = cute.local_tile(mV[None, None, kv_head, None], (BOX, D), (None, 0, None))
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
                 for it in cutlass.range(num_sel, unroll=1):
-                    j = mOrder[qt, head, it]
-                    pipe_k.producer_acquire(state)
-                    self._tma_block(tma_atom_K, gK, sK, pipe_k.producer_get_barrier(state), state.index,
-                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, j)
-                    pipe_v.producer_acquire(state)
-                    self._tma_block(tma_atom_V, gV, sV, pipe_v.producer_get_barrier(state), state.index,
-                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, j)
-                    state.advance()
+                    pipe_k.producer_acquire(k_state)
+                    self._tma_block(tma_atom_K, gK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
+                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, mOrder[qt, head, it])
+                    k_state.advance()
+            elif warp_idx == 1:
+                # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
+                # only once the vote has decided to compute it (the first block always is)
+                cpasync.prefetch_descriptor(tma_atom_V)
+                gV = cute.local_tile(mV[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
+                for it in cutlass.range(num_sel, unroll=1):
+                    needed = cutlass.Boolean(True)
+                    if it > 0 and log_delta != -Float32.inf:
+                        pipe_decision.consumer_wait(d_state)
+                        needed = sDecision[d_state.index] == 0
+                        pipe_decision.consumer_release(d_state)
+                        d_state.advance()
+                    if needed:
+                        pipe_v.producer_acquire(v_state)
+                        self._tma_block(tma_atom_V, gV, sV, pipe_v.producer_get_barrier(v_state),
+                                        v_state.index, mBlockPages, blk_base, kv_len, page_shift,
+                                        page_mask, mOrder[qt, head, it])
+                        v_state.advance()
             cute.arch.cp_async_wait_group(0)
         else:
             # ================================================ consumer warp groups
@@ -571,6 +593,10 @@ class OSKForward:
             ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
                    row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
                    scale_log2, thr)
+            # P of the block whose PV is still to be issued, as the A operand of PV
+            rP = cute.make_fragment_like(
+                cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32), dtype)
+            tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
@@ -579,9 +605,6 @@ class OSKForward:
                 # the other's; group 0 goes first.
                 if wg == 0:  # group 0's first turn: arrive on its own barrier
                     self._sched_arrive(1)
-                rP = cute.make_fragment_like(
-                    cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32), dtype)
-                tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
                 st = self._state(Int32(0))
                 pipe_k.consumer_wait(st)
                 self._sched_wait(wg)
@@ -621,28 +644,66 @@ class OSKForward:
                 warpgroup.wait_group(0)
                 pipe_v.consumer_release(st)
                 computed = num_sel
-            else:
-                for it in cutlass.range(num_sel, unroll=1):
+            elif num_sel > 0:
+                # delta > 0: the vote keeps the two groups in lockstep, so no ping-pong.  The
+                # vote on block j is posted to the V producer, which loads V only for computed
+                # blocks; PV of the last computed block (pending, always j - 1) is issued after
+                # the vote on j -- its V had QK(j) and the vote to arrive -- and runs under
+                # softmax(j).
+                st = self._state(Int32(0))
+                pipe_k.consumer_wait(st)
+                cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
+                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                warpgroup.wait_group(0)
+                pipe_k.consumer_release(st)
+                j_pending = mOrder[qt, head, 0] * TILE_N
+                self._mask_and_vote(ctx, acc_S, 0, j_pending)  # the first block is never skipped
+                self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
+                rP.store(acc_S.load().to(dtype))
+                computed = Int32(1)
+                pending = cutlass.Boolean(True)
+                d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
+                for it in cutlass.range(1, num_sel, unroll=1):
                     st = self._state(it)
-                    jstart = mOrder[qt, head, it] * TILE_N
+                    v_pending = self._state(computed - 1)  # V stages count computed blocks only
                     pipe_k.consumer_wait(st)
-                    cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
                     acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
                     warpgroup.wait_group(0)
                     pipe_k.consumer_release(st)
+                    jstart = mOrder[qt, head, it] * TILE_N
                     skip = self._mask_and_vote(ctx, acc_S, it, jstart)
+                    if ctid == 0:
+                        pipe_decision.producer_acquire(d_state)
+                        sDecision[d_state.index] = Int32(skip)
+                        pipe_decision.producer_commit(d_state)
+                    d_state.advance()
+                    if pending:
+                        self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
+                        self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
                     if skip:
                         skipped = skipped + 1
-                        pipe_v.consumer_wait(st)
                     else:
-                        computed = computed + 1
                         self._softmax(ctx, acc_S, corr)
+                    # PV(j-1) done: O may be rescaled, P and V(j-1) reused (waited on every
+                    # path, so that ptxas sees O's readers ordered after it and does not
+                    # serialise the wgmmas)
+                    warpgroup.wait_group(0)
+                    if pending:
+                        pipe_v.consumer_release(v_pending)
+                    if skip:
+                        pending = cutlass.Boolean(False)
+                    else:
+                        pending = cutlass.Boolean(True)
+                        computed = computed + 1
+                        j_pending = jstart
                         self._rescale_o(acc_O_mn, corr)
-                        tOrP = self._to_frgA(acc_S, dtype)
-                        self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
-                        self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
-                        warpgroup.wait_group(0)
-                    pipe_v.consumer_release(st)
+                        rP.store(acc_S.load().to(dtype))
+                if pending:
+                    v_pending = self._state(computed - 1)
+                    self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
+                    warpgroup.wait_group(0)
+                    pipe_v.consumer_release(v_pending)
 
             # ---------------------------------------------------------- epilogue
             tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))
@@ -810,10 +871,12 @@ def osk_forward(
         order = order.new_full((order.shape[0], order.shape[1], 1), -1)
     if block_pages.shape[0] == 0:
         block_pages = block_pages.new_zeros((1, max(1, block_pages.shape[1])))
-    fn = compile_config(name, D)
+    fn, source = load_kernel(name, D)  # exported ahead of time into libcosa, if it carries them
+    if fn is None:
+        fn = compile_config(name, D)
     scalars = (float(sm_scale), float(log_delta), int(page_size).bit_length() - 1, int(group),
                1 if causal else 0, int(num_tiles))
-    if _HAVE_TVM_FFI:
+    if _HAVE_TVM_FFI and source.kind == "jit":  # the exported kernels take the plain C ABI
         fn(q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
            tile_order, order, computed, skipped, *scalars)
     else:
