@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import cosa
+from cosa.paged import indptr, paged_kv_cache
 from cosa.synthetic import structured_qkv
 
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
@@ -244,17 +245,9 @@ class Paged:
     @classmethod
     def build(cls, k: torch.Tensor, v: torch.Tensor, page_size: int, generator: torch.Generator):
         seq = k.shape[0]
-        pages = seq // page_size          # parse_args admits only multiples of every page size
-        physical = torch.randperm(pages, generator=generator).to(k.device)
-        cache = []
-        for x in (k, v):
-            paged = torch.empty((pages, page_size) + x.shape[1:], dtype=x.dtype, device=x.device)
-            paged[physical] = x.view(pages, page_size, *x.shape[1:])
-            cache.append(paged)
-
-        def int32(*values):
-            return torch.tensor(values, dtype=torch.int32, device=k.device)
-        return cls(page_size, tuple(cache), int32(0, seq), int32(0, pages), physical.int(), int32(page_size))
+        cache, kv_indptr, kv_indices, kv_last_page_len = paged_kv_cache(k, v, [seq], page_size, combined=False,
+                                                                        generator=generator)
+        return cls(page_size, cache, indptr([seq], k.device), kv_indptr, kv_indices, kv_last_page_len)
 
     def plan(self, budget: float, delta: float) -> cosa.Plan:
         return cosa.plan(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,

@@ -11,34 +11,9 @@ import time
 import torch
 
 from . import plan, run
+from .paged import indptr, paged_kv_cache
 from .reference import dense_attention
 from .synthetic import structured_qkv
-
-
-def paged_batch(seq_lens, q_lens, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, device,
-                generator):
-    """Queries and a shuffled NHD page cache holding the structured keys and values of each request."""
-    qs, pages_of, caches = [], [], []
-    next_page = 0
-    for seq_len, q_len in zip(seq_lens, q_lens):
-        q, k, v = structured_qkv(seq_len, num_qo_heads, num_kv_heads, head_dim, q_len=q_len,
-                                 generator=generator, dtype=dtype)
-        pages = -(-seq_len // page_size)
-        padded = torch.zeros(pages * page_size, 2, num_kv_heads, head_dim, dtype=dtype)
-        padded[:seq_len, 0], padded[:seq_len, 1] = k, v
-        caches.append(padded.view(pages, page_size, 2, num_kv_heads, head_dim).transpose(1, 2))
-        pages_of.append(list(range(next_page, next_page + pages)))
-        qs.append(q)
-        next_page += pages
-    permutation = torch.randperm(next_page, generator=generator)
-    cache = torch.empty(next_page, 2, page_size, num_kv_heads, head_dim, dtype=dtype)
-    cache[permutation] = torch.cat(caches)
-    kv_indices = torch.cat([permutation[p] for p in map(torch.tensor, pages_of)]).int()
-    kv_indptr = torch.tensor([0] + [len(p) for p in pages_of]).cumsum(0).int()
-    qo_indptr = torch.tensor([0] + list(q_lens)).cumsum(0).int()
-    last = torch.tensor([(s - 1) % page_size + 1 for s in seq_lens]).int()
-    return (torch.cat(qs).to(device), cache.to(device), qo_indptr.to(device), kv_indptr.to(device),
-            kv_indices.to(device), last.to(device))
 
 
 def main(argv=None) -> None:
@@ -56,9 +31,11 @@ def main(argv=None) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(args.seed)
     num_qo_heads, num_kv_heads = args.heads
-    q, cache, qo_indptr, kv_indptr, kv_indices, last = paged_batch(
-        args.seq_lens, args.seq_lens, num_qo_heads, num_kv_heads, args.head_dim, args.page_size,
-        dtype, device, generator)
+    requests = [structured_qkv(n, num_qo_heads, num_kv_heads, args.head_dim, generator=generator, dtype=dtype)
+                for n in args.seq_lens]
+    q, k, v = (torch.cat(x).to(device) for x in zip(*requests))     # ragged: one request after the other
+    cache, kv_indptr, kv_indices, last = paged_kv_cache(k, v, args.seq_lens, args.page_size, generator=generator)
+    qo_indptr = indptr(args.seq_lens, device)
 
     plan_ = plan(qo_indptr, kv_indptr, kv_indices, last, num_qo_heads, num_kv_heads, args.head_dim,
                  args.page_size, budget=args.budget, delta=args.delta, q_data_type=dtype)
@@ -74,10 +51,8 @@ def main(argv=None) -> None:
 
     errors = []
     for r in range(len(args.seq_lens)):
-        rows = slice(int(qo_indptr[r]), int(qo_indptr[r + 1]))
-        pages = kv_indices[int(kv_indptr[r]):int(kv_indptr[r + 1])]
-        kv = cache[pages].transpose(1, 2).reshape(-1, 2, num_kv_heads, args.head_dim)[:args.seq_lens[r]]
-        dense, _ = dense_attention(q[rows], kv[:, 0], kv[:, 1], causal=True, sm_scale=plan_.sm_scale)
+        rows = slice(int(qo_indptr[r]), int(qo_indptr[r + 1]))      # q_len == kv_len: the same rows of q, k, v
+        dense, _ = dense_attention(q[rows], k[rows], v[rows], causal=True, sm_scale=plan_.sm_scale)
         errors.append(((o[rows].float() - dense.float()).norm() / dense.float().norm()).item())
 
     path = "OSK kernel" if plan_.uses_kernel else "exact reference"

@@ -4,12 +4,17 @@ A cache is one tensor ``[num_pages, 2, page_size, num_kv_heads, head_dim]``
 (NHD) / ``[num_pages, 2, num_kv_heads, page_size, head_dim]`` (HND), or a
 tuple ``(k_cache, v_cache)`` of ``[num_pages, page_size, num_kv_heads,
 head_dim]`` (NHD) / ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
-Everything here works on views; only :func:`gather_pages` copies (for the
-proxy and the reference, never for the kernel).
+What ``run`` uses works on views; only :func:`gather_pages` copies (for the
+proxy and the reference, never for the kernel). :func:`paged_kv_cache` builds a
+new cache and its page table from contiguous K/V (demo, benchmarks);
+:func:`page_table` and :func:`scatter_pages` are its two steps, for a caller that
+writes K/V layer by layer as a serving engine does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from itertools import accumulate
 from typing import NamedTuple
 
 import torch
@@ -72,6 +77,64 @@ def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_le
     return rows.reshape(-1, rows.shape[-2], rows.shape[-1])[:kv_len]
 
 
+def scatter_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, x: torch.Tensor) -> None:
+    """Writes ``x [n, num_kv_heads, head_dim]`` into the first ``n`` rows stored in ``pages`` (in
+    order): the inverse of :func:`gather_pages`. Later rows keep their content; no host sync."""
+    token = torch.arange(x.shape[0], device=x.device)
+    page_size = cache_geometry(cache, kv_layout).page_size
+    page, row = pages.long()[token // page_size], token % page_size
+    if kv_layout == "NHD":
+        cache[page, row] = x
+    else:
+        cache[page, :, row] = x
+
+
+def indptr(lengths, device=None) -> torch.Tensor:
+    """``[0, l0, l0 + l1, ...]`` int32: CSR offsets of consecutive ragged lengths (``qo_indptr``, ``kv_indptr``)."""
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def page_table(kv_lens: Sequence[int], page_size: int, device=None, *, shuffle: bool = False,
+               generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(kv_indptr, kv_indices, kv_last_page_len)`` of requests holding ``kv_lens`` keys, each on
+    ``ceil(kv_len / page_size)`` pages of its own: consecutive physical pages in request order (the
+    layout of :func:`to_pages`), or with ``shuffle`` a random permutation of them, as in a serving
+    engine's page pool after some traffic (``generator`` seeds it)."""
+    pages = [-(-n // page_size) for n in kv_lens]
+    physical = torch.randperm(sum(pages), generator=generator) if shuffle else torch.arange(sum(pages))
+    last = [(n - 1) % page_size + 1 if n else 0 for n in kv_lens]
+    return (indptr(pages, device), physical.to(device=device, dtype=torch.int32),
+            torch.tensor(last, dtype=torch.int32, device=device))
+
+
+def paged_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: Sequence[int], page_size: int,
+                   kv_layout: str = "NHD", *, combined: bool = True, shuffle: bool = True,
+                   generator: torch.Generator | None = None):
+    """A new paged cache holding ``k, v [sum(kv_lens), num_kv_heads, head_dim]`` (requests one
+    after the other, as in ``q``), with its page table from :func:`page_table`: ``(cache,
+    kv_indptr, kv_indices, kv_last_page_len)``, all on ``k``'s device. The cache is one
+    ``[num_pages, 2, ...]`` tensor, or with ``combined=False`` a ``(k_cache, v_cache)`` tuple;
+    rows past a request's last key are zero; pages are shuffled unless ``shuffle=False``."""
+    check_kv_layout(kv_layout)
+    kv_indptr, kv_indices, kv_last_page_len = page_table(kv_lens, page_size, k.device, shuffle=shuffle,
+                                                         generator=generator)
+    num_pages, (heads, head_dim) = kv_indices.shape[0], k.shape[1:]
+    page = (page_size, heads, head_dim) if kv_layout == "NHD" else (heads, page_size, head_dim)
+    if combined:
+        cache = k.new_zeros(num_pages, 2, *page)
+    else:
+        cache = (k.new_zeros(num_pages, *page), v.new_zeros(num_pages, *page))
+    k_cache, v_cache = split_kv_cache(cache, kv_layout)
+    first_page, first_row = 0, 0
+    for kv_len in kv_lens:
+        pages = kv_indices[first_page:first_page + -(-kv_len // page_size)]
+        rows = slice(first_row, first_row + kv_len)
+        scatter_pages(k_cache, kv_layout, pages, k[rows])
+        scatter_pages(v_cache, kv_layout, pages, v[rows])
+        first_page, first_row = first_page + pages.shape[0], rows.stop
+    return cache, kv_indptr, kv_indices, kv_last_page_len
+
+
 def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """Contiguous ``x [..., n, heads, d]`` (each leading index one request) as a zero-padded NHD
     page cache ``[requests * ceil(n / page_size), page_size, heads, d]``, pages in request order."""
@@ -84,7 +147,4 @@ def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
 
 def uniform_page_table(batch: int, q_len: int, kv_len: int, page_size: int, device) -> tuple[torch.Tensor, ...]:
     """``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` of ``batch`` equal requests laid out by :func:`to_pages`."""
-    pages = -(-kv_len // page_size)
-    step = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    return (step * q_len, step * pages, torch.arange(batch * pages, dtype=torch.int32, device=device),
-            torch.full((batch,), kv_len - (pages - 1) * page_size, dtype=torch.int32, device=device))
+    return (indptr([q_len] * batch, device), *page_table([kv_len] * batch, page_size, device))

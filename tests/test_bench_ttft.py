@@ -1,0 +1,36 @@
+"""bench/bench_ttft.py on the CPU: the whole benchmark on a tiny model, CoSA at budget 1 equal to dense."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_ttft  # noqa: E402
+
+BF16_LOGITS_ERR = 2e-2   # dense SDPA in bf16 is 9e-3 from the same model with fp32 attention
+
+
+def test_cpu_quick_run_at_full_budget_matches_dense(tmp_path):
+    path = tmp_path / "ttft.json"
+    assert bench_ttft.main(["--device", "cpu", "--quick", "--budget", "1", "--delta", "0", "--repeats", "1",
+                            "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    dense, sparse = report["rows"]
+    assert (dense["attention"], sparse["attention"]) == ("sdpa", "cosa b=1 d=0")
+    assert sparse["density1"] == sparse["density2"] == 1.0
+    assert sparse["logits_err"] < BF16_LOGITS_ERR
+    assert sparse["kv_cache_gib"] > 0 and len(sparse["attention_ms_per_layer"]) == bench_ttft.CPU_TINY.num_layers
+    for row in (dense, sparse):
+        assert row["ttft_ms"] > 0 and 0 < row["attention_share"] < 1 and math.isfinite(row["speedup"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+def test_without_a_gpu_it_says_so_and_exits_0(capsys):
+    assert bench_ttft.main([]) == 0
+    assert "needs one" in capsys.readouterr().out

@@ -1,0 +1,64 @@
+"""cosa.paged's cache builders: paged_kv_cache, page_table, scatter_pages (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosa.paged import (gather_pages, indptr, page_table, paged_kv_cache, scatter_pages, split_kv_cache,
+                        to_pages, uniform_page_table)
+
+KV_LENS = [1, 129, 300, 0, 128, 17]
+HEADS, D = 2, 8
+
+
+@pytest.mark.parametrize("page_size", [16, 128])
+@pytest.mark.parametrize("kv_layout,combined", [("NHD", True), ("HND", True), ("NHD", False), ("HND", False)])
+def test_paged_kv_cache_round_trips(kv_layout, combined, page_size):
+    g = torch.Generator().manual_seed(page_size)
+    k, v = (torch.randn(sum(KV_LENS), HEADS, D, generator=g) for _ in range(2))
+    cache, kv_indptr, kv_indices, last = paged_kv_cache(k, v, KV_LENS, page_size, kv_layout, combined=combined,
+                                                        generator=g)
+    assert isinstance(cache, torch.Tensor) == combined
+    k_cache, v_cache = split_kv_cache(cache, kv_layout)
+    pages = [-(-n // page_size) for n in KV_LENS]
+    assert kv_indptr.tolist() == indptr(pages).tolist()
+    assert sorted(kv_indices.tolist()) == list(range(sum(pages))), "every page used once"
+    assert last.tolist() == [(n - 1) % page_size + 1 if n else 0 for n in KV_LENS]
+    rows = indptr(KV_LENS)
+    for r, kv_len in enumerate(KV_LENS):
+        request_pages = kv_indices[kv_indptr[r]:kv_indptr[r + 1]]
+        for cache_part, x in ((k_cache, k), (v_cache, v)):
+            torch.testing.assert_close(gather_pages(cache_part, kv_layout, request_pages, kv_len),
+                                       x[rows[r]:rows[r + 1]], rtol=0, atol=0)
+            padding = gather_pages(cache_part, kv_layout, request_pages, len(request_pages) * page_size)[kv_len:]
+            assert not padding.any(), "rows past a request's last key are zero"
+
+
+def test_page_table_shuffles_only_when_asked():
+    plain = page_table([300, 40], 16)
+    assert plain[1].tolist() == list(range(19 + 3))
+    shuffled = [page_table([300, 40], 16, shuffle=True, generator=torch.Generator().manual_seed(0))
+                for _ in range(2)]
+    assert shuffled[0][1].tolist() == shuffled[1][1].tolist(), "the generator makes it reproducible"
+    assert shuffled[0][1].tolist() != plain[1].tolist()
+    assert all(x.dtype == torch.int32 for x in plain + shuffled[0])
+
+
+def test_scatter_pages_keeps_the_rows_after_it():
+    cache = torch.full((4, HEADS, 16, D), 7.0)                        # HND
+    pages = torch.tensor([2, 0], dtype=torch.int32)
+    x = torch.randn(20, HEADS, D)
+    scatter_pages(cache, "HND", pages, x)
+    torch.testing.assert_close(gather_pages(cache, "HND", pages, 20), x, rtol=0, atol=0)
+    assert (gather_pages(cache, "HND", pages, 32)[20:] == 7).all()
+    assert (cache[[1, 3]] == 7).all()
+
+
+def test_uniform_page_table_describes_to_pages():
+    x = torch.randn(3, 40, HEADS, D)
+    qo_indptr, kv_indptr, kv_indices, last = uniform_page_table(3, 10, 40, 16, "cpu")
+    assert qo_indptr.tolist() == [0, 10, 20, 30] and last.tolist() == [8, 8, 8]
+    for r in range(3):
+        torch.testing.assert_close(gather_pages(to_pages(x, 16), "NHD", kv_indices[kv_indptr[r]:kv_indptr[r + 1]], 40),
+                                   x[r], rtol=0, atol=0)
