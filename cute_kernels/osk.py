@@ -115,6 +115,8 @@ BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BOX = 16  # TMA box rows: the smallest supported page size
+K_STAGES = 2  # K blocks in flight (smem ring)
+V_STAGES = 2
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
@@ -152,10 +154,11 @@ class OSKForward:
     """The kernel for one (dtype, head_dim): a producer warp group (Q by cp.async, K/V by
     TMA from one warp) and two wgmma consumer warp groups; one CTA per work tile."""
 
-    def __init__(self, dtype, head_dim: int, num_stages: int = 2):
+    def __init__(self, dtype, head_dim: int, k_stages: int = K_STAGES, v_stages: int = V_STAGES):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.num_stages = num_stages
+        self.k_stages = k_stages
+        self.v_stages = v_stages
 
     @cute.jit
     def __call__(
@@ -184,24 +187,24 @@ class OSKForward:
     ):
         dtype = self.dtype
         D = self.head_dim
-        S = self.num_stages
         atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, D), dtype
         )
         sQ_layout = cute.tile_to_shape(atom, (TILE_M, D), (0, 1))
-        sKV_layout = cute.tile_to_shape(atom, (TILE_N, D, S), (0, 1, 2))
+        sK_layout = cute.tile_to_shape(atom, (TILE_N, D, self.k_stages), (0, 1, 2))
+        sV_layout = cute.tile_to_shape(atom, (TILE_N, D, self.v_stages), (0, 1, 2))
 
         @cute.struct
         class SharedStorage:
             mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * S]
-            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * S]
+            mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.k_stages]
+            mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.v_stages]
             mbar_decision: cute.struct.MemRange[cutlass.Int64, 2 * DECISION_SLOTS]
             vote: cute.struct.Align[cute.struct.MemRange[Float32, 2 * NUM_CONSUMER_WARPS], 16]
             decision: cute.struct.MemRange[Int32, DECISION_SLOTS]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sKV_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
 
         copy_elems = 128 // dtype.width
         thr_per_row = 64 // copy_elems
@@ -231,7 +234,7 @@ class OSKForward:
         )
         # (page row, d, kv head, page) views of the cache; a box is BOX rows x D of
         # one page (BOX = 16 divides every page size), 128 / BOX boxes per block.
-        box_layout = cute.composition(cute.select(sKV_layout, mode=[0, 1]), (BOX, D))
+        box_layout = cute.composition(cute.select(sK_layout, mode=[0, 1]), (BOX, D))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_K, mK_tma = cpasync.make_tiled_tma_atom(
             op, cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0])),
@@ -243,7 +246,7 @@ class OSKForward:
             mQ, mK_tma, mV_tma, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens, mKvLens,
             mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
             sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
-            sQ_layout, sKV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_pv,
             tma_atom_K, tma_atom_V, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
@@ -321,10 +324,13 @@ class OSKForward:
         cute.arch.barrier(barrier_id=BAR_VFIX, number_of_threads=NUM_CONSUMER_THREADS)
 
     # ------------------------------------------------------------------ consumer
-    def _state(self, b):
-        """Consumer pipeline state of the b-th visited block (stage b % S, phase (b // S) & 1)."""
-        S = self.num_stages
-        return pipeline.PipelineState(S, b, b % S, (b // S) & 1)
+    def _k_state(self, b):
+        """Consumer pipeline state of the b-th K block (stage b % S, phase (b // S) & 1)."""
+        return pipeline.PipelineState(self.k_stages, b, b % self.k_stages, (b // self.k_stages) & 1)
+
+    def _v_state(self, b):
+        """... of the b-th V block (every visited block with delta = 0, else every computed one)."""
+        return pipeline.PipelineState(self.v_stages, b, b % self.v_stages, (b // self.v_stages) & 1)
 
     @cute.jit
     def _issue_qk(self, tiled_mma_qk, tSrQ, tSrK, stage):
@@ -444,7 +450,8 @@ class OSKForward:
         group: Int32,
         causal: Int32,
         sQ_layout: cute.ComposedLayout,
-        sKV_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
         tiled_copy_g2s: cute.TiledCopy,
         tiled_copy_o: cute.TiledCopy,
         tiled_mma_qk: cute.TiledMma,
@@ -455,7 +462,6 @@ class OSKForward:
     ):
         D = self.head_dim
         dtype = self.dtype
-        S = self.num_stages
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -475,8 +481,8 @@ class OSKForward:
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sK = storage.sK.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
-        sV = storage.sV.get_tensor(sKV_layout.outer, swizzle=sKV_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sVote = storage.vote.get_tensor(cute.make_layout((2 * NUM_CONSUMER_WARPS,)))
         sDecision = storage.decision.get_tensor(cute.make_layout((DECISION_SLOTS,)))
 
@@ -490,11 +496,11 @@ class OSKForward:
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WARPS)
         pipe_k = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_k.data_ptr(), num_stages=S, producer_group=one,
+            barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.k_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
         )
         pipe_v = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.mbar_v.data_ptr(), num_stages=S, producer_group=one,
+            barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.v_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
         )
         # stage-2 decisions, consumer thread 0 -> the V warp (1 = skipped)
@@ -529,7 +535,7 @@ class OSKForward:
                 cpasync.prefetch_descriptor(tma_atom_K)
                 # per box: source (BOX, D) tile of (page row box, page); dest box of a stage
                 gK = cute.local_tile(mK[None, None, kv_head, None], (BOX, D), (None, 0, None))
-                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 for it in cutlass.range(num_sel, unroll=1):
                     pipe_k.producer_acquire(k_state)
                     self._tma_block(tma_atom_K, gK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
@@ -540,7 +546,7 @@ class OSKForward:
                 # only once the vote has decided to compute it (the first block always is)
                 cpasync.prefetch_descriptor(tma_atom_V)
                 gV = cute.local_tile(mV[None, None, kv_head, None], (BOX, D), (None, 0, None))
-                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, S)
+                v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 for it in cutlass.range(num_sel, unroll=1):
                     needed = cutlass.Boolean(True)
@@ -571,7 +577,7 @@ class OSKForward:
             wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
             tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
             tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
-            sVt = cute.composition(sV, cute.make_ordered_layout((D, TILE_N, S), order=(1, 0, 2)))
+            sVt = cute.composition(sV, cute.make_ordered_layout((D, TILE_N, self.v_stages), order=(1, 0, 2)))
             tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D)), Float32)
             acc_O.fill(0.0)
@@ -605,44 +611,44 @@ class OSKForward:
                 # the other's; group 0 goes first.
                 if wg == 0:  # group 0's first turn: arrive on its own barrier
                     self._sched_arrive(1)
-                st = self._state(Int32(0))
-                pipe_k.consumer_wait(st)
+                kst = self._k_state(Int32(0))
+                pipe_k.consumer_wait(kst)
                 self._sched_wait(wg)
                 cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
                 self._sched_arrive(wg)
                 warpgroup.wait_group(0)
-                pipe_k.consumer_release(st)
+                pipe_k.consumer_release(kst)
                 jstart = mOrder[qt, head, 0] * TILE_N
                 self._mask_and_vote(ctx, acc_S, 0, jstart)
                 self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
-                self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
+                self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 for it in cutlass.range(1, num_sel, unroll=1):
-                    prev = self._state(it - 1)
-                    st = self._state(it)
-                    pipe_k.consumer_wait(st)
+                    v_prev = self._v_state(it - 1)
+                    kst = self._k_state(it)
+                    pipe_k.consumer_wait(kst)
                     self._sched_wait(wg)
-                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, prev.index)
+                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
-                    pipe_k.consumer_release(st)
+                    pipe_k.consumer_release(kst)
                     jstart = mOrder[qt, head, it] * TILE_N
                     self._mask_and_vote(ctx, acc_S, it, jstart)
                     self._softmax(ctx, acc_S, corr)
                     warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
-                    pipe_v.consumer_release(prev)
+                    pipe_v.consumer_release(v_prev)
                     self._rescale_o(acc_O_mn, corr)
                     rP.store(acc_S.load().to(dtype))
-                    self._wait_v(pipe_v, st, tiled_copy_o, sV, ctid, kv_len - jstart)
-                st = self._state(num_sel - 1)
+                    self._wait_v(pipe_v, self._v_state(it), tiled_copy_o, sV, ctid, kv_len - jstart)
+                v_last = self._v_state(num_sel - 1)
                 self._sched_wait(wg)
-                self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, st.index)
+                self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_last.index)
                 if wg == 0:  # group 1's last wait needs it; group 0 has no wait left
                     self._sched_arrive(wg)
                 warpgroup.wait_group(0)
-                pipe_v.consumer_release(st)
+                pipe_v.consumer_release(v_last)
                 computed = num_sel
             elif num_sel > 0:
                 # delta > 0: the vote keeps the two groups in lockstep, so no ping-pong.  The
@@ -650,12 +656,12 @@ class OSKForward:
                 # blocks; PV of the last computed block (pending, always j - 1) is issued after
                 # the vote on j -- its V had QK(j) and the vote to arrive -- and runs under
                 # softmax(j).
-                st = self._state(Int32(0))
-                pipe_k.consumer_wait(st)
+                kst = self._k_state(Int32(0))
+                pipe_k.consumer_wait(kst)
                 cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
                 warpgroup.wait_group(0)
-                pipe_k.consumer_release(st)
+                pipe_k.consumer_release(kst)
                 j_pending = mOrder[qt, head, 0] * TILE_N
                 self._mask_and_vote(ctx, acc_S, 0, j_pending)  # the first block is never skipped
                 self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
@@ -664,12 +670,12 @@ class OSKForward:
                 pending = cutlass.Boolean(True)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
                 for it in cutlass.range(1, num_sel, unroll=1):
-                    st = self._state(it)
-                    v_pending = self._state(computed - 1)  # V stages count computed blocks only
-                    pipe_k.consumer_wait(st)
-                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, st.index)
+                    kst = self._k_state(it)
+                    v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
+                    pipe_k.consumer_wait(kst)
+                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
                     warpgroup.wait_group(0)
-                    pipe_k.consumer_release(st)
+                    pipe_k.consumer_release(kst)
                     jstart = mOrder[qt, head, it] * TILE_N
                     skip = self._mask_and_vote(ctx, acc_S, it, jstart)
                     if ctid == 0:
@@ -699,7 +705,7 @@ class OSKForward:
                         self._rescale_o(acc_O_mn, corr)
                         rP.store(acc_S.load().to(dtype))
                 if pending:
-                    v_pending = self._state(computed - 1)
+                    v_pending = self._v_state(computed - 1)
                     self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
                     self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
                     warpgroup.wait_group(0)
