@@ -1,24 +1,36 @@
-"""Ahead-of-time export of the OSK kernels, run by the build when COSA_AOT_KERNELS is on.
+"""The OSK kernels ahead of time: exported when libcosa is built, loaded by ``osk_forward``.
 
-    python cute_kernels/aot.py OUT_DIR
+Export, run by the build when COSA_AOT_KERNELS is on (from the source root)::
+
+    python -m cute_kernels.aot OUT_DIR
 
 writes, for every configuration of ``osk.CONFIGS``, ``OUT_DIR/<prefix>.h`` (the DSL's C
 header: argument structs, the module load and the launch wrapper) and ``OUT_DIR/<prefix>.o``
 (position-independent host code with the cubin embedded), ``prefix`` from ``aot_prefix``.
 The objects are linked into libcosa.  It needs the CuTe DSL only: no GPU and no torch.
+
+Load: when the installed libcosa carries the kernels, ``osk_forward`` launches them
+instead of compiling on first use: the DSL's ``cute.runtime.load_module`` turns libcosa's
+exported symbols into the callable ``compile_config(..., use_tvm_ffi=False)`` would return,
+so the C API and Python run the very same binary.  Otherwise (a default build, a source
+tree, ``COSA_DISABLE_AOT=1``) the kernel is compiled as before.  ``kernel_source`` says
+which, and why.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Literal, NamedTuple
 
-if __package__:
-    from . import osk
-else:  # run as a script by the build, from the source tree
-    import osk
-
+# Where an installed wheel keeps libcosa: cosa/lib, beside this package (cosa/cute_kernels).
+LIBCOSA = Path(__file__).resolve().parents[1] / "lib" / "libcosa.so"
+DISABLE_AOT = "COSA_DISABLE_AOT"  # set (not "0"): always compile, even when libcosa has the kernels
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 
@@ -28,7 +40,60 @@ def aot_prefix(dtype_name: str, head_dim: int) -> str:
     return f"cosa_osk_{_SHORT[dtype_name]}_d{head_dim}"
 
 
+class KernelSource(NamedTuple):
+    """Where ``osk_forward`` takes one configuration's kernel from."""
+
+    kind: Literal["aot", "jit"]  # loaded from libcosa, or compiled on first use
+    detail: str                  # the library it is loaded from, or why it is compiled instead
+
+
+def load_kernel(dtype_name: str, head_dim: int,
+                library: Path | None = None) -> tuple[Callable | None, KernelSource]:
+    """libcosa's exported kernel for the configuration (None: compile it) and its source.
+
+    The kernel takes the plain C ABI's arguments (cute tensors and a CUstream, no TVM-FFI).
+    ``library`` defaults to the installed package's libcosa.
+    """
+    switch = os.environ.get(DISABLE_AOT, "")
+    if switch not in ("", "0"):  # read on every call, so a test can flip it
+        return None, KernelSource("jit", f"{DISABLE_AOT}={switch}")
+    return _load(dtype_name, head_dim, LIBCOSA if library is None else library)
+
+
+def kernel_source(dtype_name: str, head_dim: int) -> KernelSource:
+    """Whether ``osk_forward`` loads the configuration's kernel from libcosa or compiles it."""
+    return load_kernel(dtype_name, head_dim)[1]
+
+
+@functools.cache
+def _load(dtype_name: str, head_dim: int, library: Path) -> tuple[Callable | None, KernelSource]:
+    if not library.is_file():
+        return None, KernelSource("jit", f"no libcosa at {library}")
+    has_kernels = ctypes.CDLL(str(library)).cosa_has_kernels
+    has_kernels.restype = ctypes.c_bool
+    if not has_kernels():
+        return None, KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")
+    prefix = aot_prefix(dtype_name, head_dim)
+    try:
+        kernel = getattr(_module(library), prefix)
+    except ImportError as error:
+        return None, KernelSource("jit", f"loading {prefix} needs the CuTe DSL (cosa[gpu]): {error}")
+    except Exception as error:  # a DSL that cannot read this export: compile instead
+        return None, KernelSource("jit", f"cannot load {prefix} from {library}: {error}")
+    return kernel, KernelSource("aot", str(library))
+
+
+@functools.cache
+def _module(library: Path):
+    # cute through osk, which sets the DSL's target architecture before the DSL first reads it.
+    from .osk import cute
+
+    return cute.runtime.load_module(str(library))
+
+
 def main(out_dir: str) -> None:
+    from . import osk  # here: osk imports this module, and kernel_source works without the DSL
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for dtype_name, head_dim in osk.CONFIGS:

@@ -70,7 +70,8 @@ Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), al
 strides, NHD/HND (a permuted view), causal, the GQA group, batch shape and scalars
 are runtime, so four compiled kernels (``CONFIGS``) cover every supported input.
 They are compiled once per configuration from fake tensors (``compile_config``; a
-few seconds each on one CPU core) and cached in-process.  History of the kernel
+few seconds each on one CPU core) and cached in-process, or, when the installed libcosa
+was built with them (``COSA_AOT_KERNELS``), loaded from it instead (``aot.py``).  History of the kernel
 (earlier variants, measurements, what is still to do): bench/NOTES.md.
 """
 
