@@ -3,7 +3,8 @@
 ``plan`` does the host work (argument checks, the C++ remap layer's block
 table and tile schedule, buffer carving); ``run`` computes the proxy's order
 mask and the attention. On a CUDA device with a kernel for the configuration
-``run`` launches the OSK kernel; otherwise it executes the exact reference.
+``run`` launches the OSK kernel (and, for the KAP proxy, the fused KAP kernels
+for the order mask); otherwise it executes the torch proxy and the exact reference.
 """
 
 from __future__ import annotations
@@ -97,8 +98,14 @@ class Plan:
     computed: torch.Tensor   # [num_qtiles, num_qo_heads]
     skipped: torch.Tensor    # [num_qtiles, num_qo_heads]
     lse: torch.Tensor        # [total_q, num_qo_heads] float32 scratch, when no LSE is wanted
+    # float32 means the KAP kernel pools into, [num_qtiles, num_qo_heads, head_dim] and
+    # [num_kv_blocks, num_kv_heads, head_dim]; without rank_kernel they have no rows
+    qbar: torch.Tensor
+    kbar: torch.Tensor
     # the OSK kernel's launcher, or None where run executes the exact reference
     kernel: Callable | None
+    # the fused KAP launcher, or None where run ranks with the torch proxies
+    rank_kernel: Callable | None
 
     @property
     def uses_kernel(self) -> bool:
@@ -232,18 +239,22 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     k_max = tables["k_max"]
     num_qtiles = qtiles.shape[0]
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
+    max_kv_blocks = num_blocks(int(tables["kv_lens"].max(initial=0)))
 
-    order, computed, skipped, lse = _carve(workspace, device, [
+    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type)
+    rank_kernel = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type, max_kv_blocks)
+    pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if rank_kernel else (0, 0)
+    order, computed, skipped, lse, qbar, kbar = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
         ((num_qtiles, num_qo_heads), torch.int32),
-        ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32)])
-    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type)
+        ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32),
+        ((pooled_tiles, num_qo_heads, head_dim), torch.float32),
+        ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
     qtiles_device = to_device(qtiles)
-    max_kv_blocks = num_blocks(int(tables["kv_lens"].max(initial=0)))
 
     return Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -261,7 +272,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         block_pages=to_device(tables["block_pages"]), qtiles=qtiles_device,
         tile_order=to_device(tables["tile_order"]),
         rank_base=rank_base(qtiles_device, max_kv_blocks, bool(force_local), bool(force_sink)),
-        order=order, computed=computed, skipped=skipped, lse=lse, kernel=kernel)
+        order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
+        kernel=kernel, rank_kernel=rank_kernel)
 
 
 def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
@@ -312,6 +324,10 @@ def _requests(plan: Plan):
 
 
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if plan.rank_kernel is not None:
+        plan.rank_kernel(q, k_cache, plan.block_pages, plan.kv_block_indptr, plan.kv_lens, plan.qtiles,
+                         plan.rank_base, plan.qbar, plan.kbar, plan.order, kv_layout=plan.kv_layout)
+        return
     for q_rows, qtile_rows, pages, kv_len in _requests(plan):
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
         proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.rank_base[qtile_rows],
@@ -373,6 +389,20 @@ def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                       stacklevel=3)
         return None
     return osk.osk_forward if osk.supported(head_dim, q_data_type) else None
+
+
+def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
+               kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
+    """The fused KAP launcher (``cute_kernels/kap.py``), or None where ``run`` ranks with the
+    torch proxies: another proxy, no CUDA device, no CuTe DSL (``osk_kernel`` warns), a
+    configuration the kernels lack, or a request of more key blocks than their sort holds."""
+    if proxy != "kap" or device.type != "cuda" or kv_data_type != q_data_type:
+        return None
+    try:
+        from .cute_kernels import kap
+    except ImportError:
+        return None
+    return kap.kap_order if kap.supported(head_dim, q_data_type, num_key_blocks) else None
 
 
 class CoSAPrefillWrapper:

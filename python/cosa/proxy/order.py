@@ -20,8 +20,8 @@ _NOT_CANDIDATE, _SCORED, _SINK, _LOCAL_LAST, _LOCAL_FIRST = range(5)
 # A block's ranking key, an int64: priority * 2**60 + score code * 2**28 + block index, the
 # score code a signed 32-bit integer (see _score_code). Distinct blocks get distinct keys, so
 # top-k needs no tie rule of its own.
-_BLOCK_BITS = 28
-_PRIORITY_SHIFT = _BLOCK_BITS + 32
+BLOCK_BITS = 28
+_PRIORITY_SHIFT = BLOCK_BITS + 32
 
 
 def score_dtype(q: torch.Tensor) -> torch.dtype:
@@ -97,7 +97,7 @@ def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, base: torch.Te
     ``base`` is :func:`rank_base` for these tiles, at least ``num_kv_blocks`` wide.
     Scores of non-candidate blocks are ignored."""
     num_kv_blocks = scores.shape[-1]
-    key = torch.add(base[:, :num_kv_blocks], _score_code(scores), alpha=1 << _BLOCK_BITS)
+    key = torch.add(base[:, :num_kv_blocks], _score_code(scores), alpha=1 << BLOCK_BITS)
     # (priority, score, block index) descending; top-k's results are sorted.
     ranked = key.topk(min(out.shape[-1], num_kv_blocks), dim=-1).indices    # [hq, tiles, width]
     out[..., :ranked.shape[-1]] = ranked.transpose(0, 1)

@@ -1,0 +1,431 @@
+"""KAP on the GPU: the order mask of SPEC stage 1 for a whole ragged batch in two launches.
+
+The torch path (``cosa.proxy.order`` + ``cosa.proxy.kap``) stays the definition and the
+CPU path; this module computes the same mask, fp32 throughout.
+
+Entry points
+------------
+``supported(head_dim, dtype, num_key_blocks) -> bool``
+    Whether the kernels cover the configuration: the OSK configurations (head_dim 64 or
+    128, fp16/bf16) and requests of at most ``MAX_KEY_BLOCKS`` key blocks.
+
+``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base,
+qbar, kbar, order, *, kv_layout="NHD") -> None``
+    Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream
+    (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks, Hkv, D]
+    float32, which the caller provides); no host sync, no allocation, so CUDA-graph
+    capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
+    ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).
+
+Kernels
+-------
+``KAPPool``, one CTA of 128 threads per (query tile, query head) and per (key block,
+kv head): the mean of the block's valid rows, summed in fp32 from 16-byte loads (a row
+of the block per ``head_dim / 8`` threads), written to ``qbar`` / ``kbar``.  Key rows
+are read straight from the paged cache through ``block_pages``, as OSK reads them.
+
+``KAPRank``, one CTA of 256 threads per (query tile, kv head) for the query heads of
+that kv head, so that each ``kbar`` row is read from L2 once per group:
+
+- scores: 8 lanes per key block j < n (n = the tile's candidates) each dot a slice of
+  ``qbar[h]`` with ``kbar[j]`` and reduce by shuffles; the score becomes the ranking
+  key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << BLOCK_BITS``, in
+  shared memory (one definition of the order: the priorities come from the plan's
+  ``rank_base``, the code is ``order._score_code`` for float32);
+- a bitonic sort, descending, of each head's keys padded with INT64_MIN to
+  ``width = max(8, next power of two of n)``, all heads of a pass at once.  Each thread
+  holds 8 keys whose indices differ in three bits and runs up to three compare-exchange
+  steps in registers per round trip through shared memory; the key array is swizzled
+  (``_slot``) so that every round is free of bank conflicts;
+- ``order[tile, h, :num_selected]`` = block index of the first keys, -1 after.
+
+Limit: the keys of one pass fill at most ``MAX_KEY_BLOCKS`` int64 slots (64 KB of
+shared memory, three CTAs per SM), so a request may have at most ``MAX_KEY_BLOCKS``
+key blocks (1M tokens); the heads of a group are ranked in passes of
+``min(group, 8, MAX_KEY_BLOCKS / width)`` heads.  ``cosa.plan`` uses the torch path
+for longer requests.
+
+Compile-time specialisation: ``KAPPool`` per (dtype, head_dim), ``KAPRank`` per
+head_dim; everything else is runtime.  Compiled from fake tensors on first use and
+cached in-process, like OSK.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cuda.bindings.driver as cuda
+import torch
+
+from .. import _C
+from ..proxy.order import BLOCK_BITS
+# osk first: it sets the DSL's target architecture before the DSL is imported
+from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _to_cute
+from .osk import supported as _osk_supported
+
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
+from cutlass._mlir.dialects import llvm  # noqa: E402
+
+__all__ = ["supported", "kap_order", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
+
+BLOCK = _C.BLOCK_SIZE
+MAX_KEY_BLOCKS = 8192          # int64 key slots in KAPRank's shared memory
+POOL_THREADS = 128
+VEC = 8                        # fp16/bf16 elements per 16-byte load
+RANK_THREADS = 256
+LANES_PER_BLOCK = 8            # lanes that share one key block's dot product
+MAX_PASS_HEADS = 8             # qbar rows staged in shared memory per pass
+SORT_BITS = 3                  # index bits a thread's keys span in one sort round
+INT64_MIN = -(1 << 63)
+
+
+def supported(head_dim: int, dtype, num_key_blocks: int) -> bool:
+    """True when the kernels cover this head_dim and dtype and requests of
+    ``num_key_blocks`` key blocks (see the module docstring for the limit)."""
+    return _osk_supported(head_dim, dtype) and num_key_blocks <= MAX_KEY_BLOCKS
+
+
+class KAPPool:
+    """Means of the valid rows of 128-row blocks: query tiles -> qbar, key blocks -> kbar."""
+
+    def __init__(self, dtype, head_dim: int):
+        self.dtype = dtype
+        self.head_dim = head_dim
+        self.row_threads = head_dim // VEC               # threads covering one row
+        self.row_step = POOL_THREADS // self.row_threads  # rows one pass of the CTA covers
+        self.sweeps = BLOCK // self.row_step
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mBlockPages: cute.Tensor,
+                 mKvBlockIndptr: cute.Tensor, mKvLens: cute.Tensor, mQtiles: cute.Tensor,
+                 mQbar: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32, stream: cuda.CUstream):
+        num_q_items = mQbar.shape[0] * mQbar.shape[1]
+        num_items = num_q_items + mKbar.shape[0] * mKbar.shape[1]
+        self.kernel(mQ, mK, mBlockPages, mKvBlockIndptr, mKvLens, mQtiles, mQbar, mKbar,
+                    page_shift, num_q_items).launch(
+            grid=[num_items, 1, 1], block=[POOL_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mBlockPages: cute.Tensor,
+               mKvBlockIndptr: cute.Tensor, mKvLens: cute.Tensor, mQtiles: cute.Tensor,
+               mQbar: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32, num_q_items: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bid, _, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(Float32, cute.make_layout((self.head_dim, self.row_step)),
+                                       byte_alignment=16)
+        first_row = tidx // self.row_threads
+        # Rows past the block's end are clamped to its last row: every load is in bounds and
+        # issued unconditionally, and _mean leaves them out of the sum.
+        row_offset = cute.make_rmem_tensor((self.sweeps,), Int64)
+        if bid < num_q_items:
+            tile = bid // mQbar.shape[1]
+            head = bid % mQbar.shape[1]
+            row_start = mQtiles[tile, _C.QT_ROW_START]
+            num_rows = mQtiles[tile, _C.QT_ROWS]
+            for m in cutlass.range_constexpr(self.sweeps):
+                row = row_start + cutlass.min(first_row + m * self.row_step, num_rows - 1)
+                row_offset[m] = Int64(row) * mQ.stride[0] + Int64(head) * mQ.stride[1]
+            self._mean(mQ, row_offset, num_rows, partial, mQbar[tile, head, None])
+        else:
+            block = (bid - num_q_items) // mKbar.shape[1]
+            kv_head = (bid - num_q_items) % mKbar.shape[1]
+            request = self._request_of(mKvBlockIndptr, mKvLens.shape[0], block)
+            first_key = (block - mKvBlockIndptr[request]) * BLOCK
+            num_rows = cutlass.min(BLOCK, mKvLens[request] - first_key)
+            page_mask = (Int32(1) << page_shift) - 1
+            for m in cutlass.range_constexpr(self.sweeps):
+                key = first_key + cutlass.min(first_row + m * self.row_step, num_rows - 1)
+                page = mBlockPages[block, (key >> page_shift) - (first_key >> page_shift)]
+                row_offset[m] = (Int64(page) * mK.stride[0] + Int64(key & page_mask) * mK.stride[1]
+                                 + Int64(kv_head) * mK.stride[2])
+            self._mean(mK, row_offset, num_rows, partial, mKbar[block, kv_head, None])
+
+    @cute.jit
+    def _request_of(self, mKvBlockIndptr, num_requests, block):
+        """The request whose key blocks hold ``block``: the last r with indptr[r] <= block."""
+        lo = Int32(0)
+        hi = num_requests
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mKvBlockIndptr[mid] <= block:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    @cute.jit
+    def _mean(self, mX, row_offset, num_rows, partial, dst):
+        """``dst[:] =`` the mean of the block's first ``num_rows`` rows, sweep ``m``'s row at
+        ``mX.iterator + row_offset[m]``: each thread sums VEC columns of its rows, the
+        ``partial`` sums of the row groups are added up in shared memory."""
+        tidx, _, _ = cute.arch.thread_idx()
+        first_row = tidx // self.row_threads
+        column = (tidx % self.row_threads) * VEC
+        rows = cute.make_rmem_tensor((VEC, self.sweeps), self.dtype)
+        for m in cutlass.range_constexpr(self.sweeps):
+            src = cute.make_ptr(self.dtype, (mX.iterator + (row_offset[m] + Int64(column))).toint(),
+                                cute.AddressSpace.gmem, assumed_align=16)
+            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), rows[None, m])
+        total = cute.make_rmem_tensor((VEC,), Float32)
+        total.fill(0.0)
+        for m in cutlass.range_constexpr(self.sweeps):
+            if first_row + m * self.row_step < num_rows:
+                total.store(total.load() + rows[None, m].load().to(Float32))
+        cute.autovec_copy(total, cute.local_tile(partial[None, first_row], (VEC,), (column // VEC,)))
+        cute.arch.barrier()
+        if tidx < self.head_dim:
+            column_sum = partial[tidx, 0]
+            for r in cutlass.range_constexpr(1, self.row_step):
+                column_sum = column_sum + partial[tidx, r]
+            dst[tidx] = column_sum / Float32(num_rows)
+
+
+class KAPRank:
+    """Scores, ranking keys and the bitonic sort: one CTA per (query tile, kv head)."""
+
+    def __init__(self, head_dim: int):
+        self.head_dim = head_dim
+        self.lane_chunks = head_dim // (4 * LANES_PER_BLOCK)   # float4 chunks per lane
+
+    @cute.jit
+    def __call__(self, mQbar: cute.Tensor, mKbar: cute.Tensor, mRankBase: cute.Tensor,
+                 mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
+                 stream: cuda.CUstream):
+        @cute.struct
+        class SharedStorage:
+            keys: cute.struct.Align[cute.struct.MemRange[Int64, MAX_KEY_BLOCKS], 16]
+            qbar: cute.struct.Align[cute.struct.MemRange[Float32, MAX_PASS_HEADS * self.head_dim], 16]
+
+        self.kernel(mQbar, mKbar, mRankBase, mQtiles, mKvBlockIndptr, mOrder, SharedStorage).launch(
+            grid=[mQtiles.shape[0], mKbar.shape[1], 1], block=[RANK_THREADS, 1, 1],
+            smem=SharedStorage.size_in_bytes(), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mQbar: cute.Tensor, mKbar: cute.Tensor, mRankBase: cute.Tensor,
+               mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
+               SharedStorage: cutlass.Constexpr):
+        D = self.head_dim
+        tidx, _, _ = cute.arch.thread_idx()
+        bid_x, kv_head, _ = cute.arch.block_idx()
+        # a request's later tiles see more key blocks: launch them first
+        tile = mQtiles.shape[0] - 1 - bid_x
+        num_candidates = mQtiles[tile, _C.QT_NUM_CANDIDATES]
+        num_selected = mQtiles[tile, _C.QT_NUM_SELECTED]
+        first_block = mKvBlockIndptr[mQtiles[tile, _C.QT_REQUEST]]
+        group = mQbar.shape[1] // mKbar.shape[1]
+        k_max = mOrder.shape[2]
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(SharedStorage)
+        keys = storage.keys.get_tensor(cute.make_layout(MAX_KEY_BLOCKS))
+        sQbar = storage.qbar.get_tensor(cute.make_layout((D, MAX_PASS_HEADS)))
+
+        log_width = cutlass.max(
+            SORT_BITS, 32 - Int32(cute.arch.clz(Int32(cutlass.max(num_candidates, 1) - 1))))
+        width = Int32(1) << log_width
+        pass_heads = cutlass.min(cutlass.min(group, MAX_PASS_HEADS), MAX_KEY_BLOCKS >> log_width)
+        for head0 in cutlass.range(0, group, pass_heads, unroll=1):
+            heads = cutlass.min(pass_heads, group - head0)
+            first_head = kv_head * group + head0
+            cute.arch.barrier()  # the previous pass has read its keys and qbar rows
+            for i in cutlass.range(tidx, heads * D, RANK_THREADS, unroll=1):
+                sQbar[i % D, i // D] = mQbar[tile, first_head + i // D, i % D]
+            for i in cutlass.range(tidx, heads * width, RANK_THREADS, unroll=1):
+                if (i & (width - 1)) >= num_candidates:
+                    keys[_slot(i)] = Int64(INT64_MIN)
+            cute.arch.barrier()
+            self._score(mKbar, mRankBase, sQbar, keys, tile, kv_head, first_block, num_candidates,
+                        heads, width)
+            cute.arch.barrier()
+            self._sort(keys, heads * width, log_width)
+            for h in cutlass.range(heads, unroll=1):
+                for s in cutlass.range(tidx, k_max, RANK_THREADS, unroll=1):
+                    block = Int32(-1)
+                    if s < num_selected:
+                        block = Int32(keys[_slot(h * width + s)] & ((1 << BLOCK_BITS) - 1))
+                    mOrder[tile, first_head + h, s] = block
+
+    @cute.jit
+    def _score(self, mKbar, mRankBase, sQbar, keys, tile, kv_head, first_block, num_candidates,
+               heads, width):
+        """keys[h * width + j] = ranking key of block j for the pass's head h, j < n."""
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % LANES_PER_BLOCK
+        # this lane's columns of kbar[j] and qbar[h]: float4 chunks lane, lane + 8, ...
+        k_part = cute.make_rmem_tensor((4, self.lane_chunks), Float32)
+        q_part = cute.make_rmem_tensor((4, self.lane_chunks), Float32)
+        # the bound is uniform over the warp: every lane takes part in the shuffles
+        for j0 in cutlass.range(0, num_candidates, RANK_THREADS // LANES_PER_BLOCK, unroll=1):
+            j = j0 + tidx // LANES_PER_BLOCK
+            valid = j < num_candidates
+            base = Int64(0)
+            if valid:
+                base = mRankBase[tile, j]
+                for c in cutlass.range_constexpr(self.lane_chunks):
+                    cute.autovec_copy(
+                        cute.local_tile(mKbar[first_block + j, kv_head, None], (4,), (lane + c * LANES_PER_BLOCK,)),
+                        k_part[None, c])
+            else:
+                k_part.fill(0.0)
+            for h in cutlass.range(heads, unroll=1):
+                for c in cutlass.range_constexpr(self.lane_chunks):
+                    cute.autovec_copy(
+                        cute.local_tile(sQbar[None, h], (4,), (lane + c * LANES_PER_BLOCK,)), q_part[None, c])
+                score = Float32(0.0)
+                for i in cutlass.range_constexpr(4 * self.lane_chunks):
+                    score = score + q_part[i] * k_part[i]
+                for offset in (4, 2, 1):
+                    score = score + cute.arch.shuffle_sync_bfly(score, offset=offset)
+                if valid and lane == 0:
+                    keys[_slot(h * width + j)] = base + (Int64(_score_code(score)) << BLOCK_BITS)
+
+    @cute.jit
+    def _sort(self, keys, size, log_width):
+        """Sorts each ``2**log_width`` segment of ``keys[:size]`` descending (bitonic). Round
+        trips through shared memory: per merge size ``2**p`` the strides ``2**(p-1) .. 1``
+        in groups of SORT_BITS, each group run in registers on 8 keys per thread."""
+        tidx, _, _ = cute.arch.thread_idx()
+        width_mask = (Int32(1) << log_width) - 1
+        x = cute.make_rmem_tensor((1 << SORT_BITS,), Int64)
+        for p in cutlass.range(1, log_width + 1, unroll=1):
+            merge = Int32(1) << p
+            for round_ in cutlass.range((p + SORT_BITS - 1) // SORT_BITS, unroll=1):
+                top = p - 1 - SORT_BITS * round_           # highest stride bit of the round
+                low = cutlass.max(top - (SORT_BITS - 1), 0)  # the thread's keys differ in bits low..low+2
+                low_mask = (Int32(1) << low) - 1
+                for g in cutlass.range(tidx, size >> SORT_BITS, RANK_THREADS, unroll=1):
+                    first = ((g & ~low_mask) << SORT_BITS) | (g & low_mask)
+                    for r in cutlass.range_constexpr(1 << SORT_BITS):
+                        x[r] = keys[_slot(first | (r << low))]
+                    for bit in cutlass.range_constexpr(SORT_BITS - 1, -1, -1):
+                        if low + bit <= top:
+                            for r in cutlass.range_constexpr(1 << SORT_BITS):
+                                if const_expr(not r & (1 << bit)):
+                                    # descending where the index's merge bit is clear (always
+                                    # in the last merge, where the whole segment is one run)
+                                    descending = ((first | (r << low)) & merge & width_mask) == 0
+                                    a, b = x[r], x[r | (1 << bit)]
+                                    swap = (a < b) == descending
+                                    x[r] = cutlass.select_(swap, b, a)
+                                    x[r | (1 << bit)] = cutlass.select_(swap, a, b)
+                    for r in cutlass.range_constexpr(1 << SORT_BITS):
+                        keys[_slot(first | (r << low))] = x[r]
+                cute.arch.barrier()
+
+
+@cute.jit
+def _slot(i):
+    """Shared-memory slot of key ``i``: the low 4 bits XOR the next 4, so that the 8-byte keys
+    a warp touches in any sort round spread evenly over the banks."""
+    return i ^ ((i >> 4) & 15)
+
+
+@cute.jit
+def _score_code(score: Float32):
+    """``cosa.proxy.order._score_code`` for float32: the bits of |s|, negated for s < 0."""
+    magnitude = Int32(llvm.bitcast(Int32.mlir_type, score.ir_value())) & 0x7FFFFFFF
+    code = magnitude
+    if score < 0:
+        code = -magnitude
+    return code
+
+
+# ---------------------------------------------------------------------------
+# compilation and launch
+# ---------------------------------------------------------------------------
+_cache: dict = {}
+_lock = threading.Lock()
+
+
+def _fake_pool_args(dtype_name: str, head_dim: int):
+    dt = _cutlass_dtype(dtype_name)
+    div = 128 // dt.width
+    sym = cute.sym_int
+
+    def s64(d=1):
+        return cute.sym_int64(divisibility=d)
+
+    mk = cute.runtime.make_fake_tensor
+    # every extent dynamic, as osk._fake_args explains (the plain C ABI)
+    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
+    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    return (q, k, _fake_int32((sym(), sym())), _fake_int32((sym(),)), _fake_int32((sym(),)),
+            _fake_int32((sym(), sym())), _fake_means(), _fake_means())
+
+
+def _fake_rank_args():
+    sym = cute.sym_int
+    rank_base = cute.runtime.make_fake_tensor(Int64, (sym(), sym()), stride=(cute.sym_int64(), 1),
+                                              assumed_align=8)
+    return (_fake_means(), _fake_means(), rank_base, _fake_int32((sym(), sym())),
+            _fake_int32((sym(),)), _fake_int32((sym(), sym(), sym())))
+
+
+def _fake_int32(shape):
+    strides = tuple(cute.sym_int64() for _ in shape[1:]) + (1,)
+    return cute.runtime.make_fake_tensor(Int32, shape, stride=strides, assumed_align=4)
+
+
+def _fake_means():
+    """qbar / kbar: [rows, heads, head_dim] float32, 16-byte aligned rows."""
+    sym, s64 = cute.sym_int, cute.sym_int64
+    return cute.runtime.make_fake_tensor(Float32, (sym(), sym(), sym()),
+                                         stride=(s64(divisibility=4), s64(divisibility=4), 1), assumed_align=16)
+
+
+def _compiled(key, build):
+    with _lock:
+        fn = _cache.get(key)
+        if fn is None:
+            fn = _cache[key] = build()
+    return fn
+
+
+def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = None):
+    """The compiled ``(pool, rank)`` kernels for one configuration (cached in-process)."""
+    use_tvm_ffi = _HAVE_TVM_FFI if use_tvm_ffi is None else bool(use_tvm_ffi)
+    options = "--enable-tvm-ffi" if use_tvm_ffi else ""
+
+    def stream():
+        return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
+
+    pool = _compiled(("pool", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
+        KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name, head_dim),
+        Int32(4), stream(), options=options))
+    rank = _compiled(("rank", head_dim, use_tvm_ffi), lambda: cute.compile(
+        KAPRank(head_dim), *_fake_rank_args(), stream(), options=options))
+    return pool, rank
+
+
+def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
+              order, *, kv_layout: str = "NHD") -> None:
+    """Launch the two KAP kernels (see the module docstring for the contract)."""
+    if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
+        return
+    D = q.shape[-1]
+    if not supported(D, q.dtype, rank_base.shape[1]):
+        raise ValueError(f"kap_order: no kernel for head_dim={D}, dtype={q.dtype}, "
+                         f"{rank_base.shape[1]} key blocks (at most {MAX_KEY_BLOCKS})")
+    k = k_cache.permute(0, 2, 1, 3) if kv_layout == "HND" else k_cache
+    for name, t in (("q", q), ("k_cache", k)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"kap_order: {name} must have dtype {q.dtype}, got {t.dtype}")
+        if t.stride(-1) != 1 or any(s % VEC for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"kap_order: {name} needs a contiguous, 16-byte aligned last dim")
+    page_size = k.shape[1]
+    if page_size & (page_size - 1):
+        raise ValueError(f"kap_order: page_size must be a power of two, got {page_size}")
+    page_shift = page_size.bit_length() - 1
+    pool, rank = compile_config(_dtype_name(q.dtype), D)
+    pool_args = (q, k, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar)
+    rank_args = (qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
+    if _HAVE_TVM_FFI:
+        pool(*pool_args, page_shift)
+        rank(*rank_args)
+    else:
+        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        pool(*(_to_cute(t, t.dim() - 1) for t in pool_args), page_shift, stream)
+        rank(*(_to_cute(t, t.dim() - 1) for t in rank_args), stream)

@@ -1,0 +1,155 @@
+"""GPU tests of the fused KAP kernels (cute_kernels/kap.py) through ``cosa.order_mask``,
+against the torch proxy in float64 on the very same (bf16/fp16) values.
+
+Each case lays a random ragged batch into a shuffled paged cache whose unused rows are
+NaN (``batch.make_batch``), poisons the plan's order mask and pooled means, ranks on the
+GPU and checks every request:
+
+- the pooled means ``plan.qbar`` / ``plan.kbar`` equal the float64 block means to 1e-5
+  (relative to the largest mean);
+- per (query tile, head): the forced blocks come first, exactly as in the float64
+  reference; the selected set equals the reference's except for blocks whose float64
+  score lies within ``SCORE_TOL`` of the reference's cut-off score (the kernel scores in
+  fp32); the scored blocks follow in non-increasing float64 score (within ``SCORE_TOL``);
+  the row is -1 from ``num_selected`` on.
+
+Fresh random inputs every run; each case prints its seed (shown by pytest on failure).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cosa
+from cosa import _C
+from cosa.paged import uniform_page_table
+from cosa.proxy import block_means, proxy_order
+from cosa.proxy.order import _PRIORITY_SHIFT, _SCORED, grouped_products
+from batch import make_batch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("CUDA is not available", allow_module_level=True)
+
+from cosa.cute_kernels import kap  # noqa: E402
+
+POISON = -7
+MEAN_TOL = 1e-5
+# the fp32 score's error allowance, relative to sum_i |qbar_i kbar_i| (errors are ~1e-7 of it)
+SCORE_TOL = 1e-5
+
+
+def check_means(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """``got [blocks, heads, d]`` float32 against float64 ``want [heads, blocks, d]``."""
+    want = want.transpose(0, 1)
+    torch.testing.assert_close(got.double(), want, rtol=MEAN_TOL, atol=MEAN_TOL * float(want.abs().max()),
+                               msg=lambda message: f"{what}: {message}")
+
+
+def check_rows(got, want, qtiles, rank_base, scores, magnitudes, where: str) -> None:
+    """One request's order rows ``got`` against the float64 reference ``want`` [tiles, hq, k_max];
+    ``scores`` / ``magnitudes`` [hq, tiles, blocks]: float64 scores and sums of |products|."""
+    forced = (rank_base >> _PRIORITY_SHIFT) > _SCORED
+    for t in range(got.shape[0]):
+        n, selected = int(qtiles[t, _C.QT_NUM_CANDIDATES]), int(qtiles[t, _C.QT_NUM_SELECTED])
+        num_forced = int(forced[t, :n].sum())
+        for h in range(got.shape[1]):
+            row, ref = got[t, h].tolist(), want[t, h].tolist()
+            at = f"{where} tile {t} head {h}: got {row[:selected]}, want {ref[:selected]}"
+            assert row[selected:] == [-1] * (len(row) - selected), f"-1 padding, {at}"
+            assert row[:num_forced] == ref[:num_forced], f"forced blocks, {at}"
+            picked = row[num_forced:selected]
+            assert len(set(row[:selected])) == selected and all(0 <= j < n for j in picked), at
+            if not picked:
+                continue
+            s = scores[h, t]
+            tol = SCORE_TOL * float(magnitudes[h, t, :n].max())
+            cut = float(s[ref[selected - 1]])
+            for j in set(picked) ^ set(ref[num_forced:selected]):
+                assert abs(float(s[j]) - cut) <= tol, f"block {j}: score {float(s[j])}, cut-off {cut}, {at}"
+            for a, b in zip(picked, picked[1:]):
+                assert float(s[a]) >= float(s[b]) - tol, f"blocks {a}, {b} out of order, {at}"
+
+
+def check(plan, batch, order: torch.Tensor) -> None:
+    qtiles, rank_base, kv_block_indptr = plan.qtiles.cpu(), plan.rank_base.cpu(), plan.kv_block_indptr.cpu()
+    qbar, kbar = plan.qbar.cpu(), plan.kbar.cpu()
+    for r, (q, k, _) in enumerate(batch.requests):
+        if q.shape[0] == 0:
+            continue
+        tiles = slice(plan.qtile_indptr_host[r], plan.qtile_indptr_host[r + 1])
+        q64, k64 = q.double(), k.double()
+        qbar64, kbar64 = block_means(q64, torch.float64), block_means(k64, torch.float64)
+        check_means(qbar[tiles], qbar64, f"request {r} qbar")
+        check_means(kbar[int(kv_block_indptr[r]):int(kv_block_indptr[r + 1])], kbar64, f"request {r} kbar")
+        want = torch.full_like(order[tiles], POISON)
+        proxy_order(q64, k64, qtiles[tiles], rank_base[tiles], want, causal=plan.causal)
+        check_rows(order[tiles], want, qtiles[tiles], rank_base[tiles], grouped_products(qbar64, kbar64),
+                   grouped_products(qbar64.abs(), kbar64.abs()), f"request {r}")
+
+
+def run_case(*, dtype, head_dim, page_size, layout, group, budget, q_lens, kv_lens, combined=True,
+             num_qo_heads=8):
+    seed = torch.seed()
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    num_kv_heads = num_qo_heads // group
+    batch = make_batch(q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, layout=layout,
+                       combined=combined, dtype=dtype, generator=g)
+    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
+    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
+                     batch.kv_last_page_len.cuda(), num_qo_heads, num_kv_heads, head_dim, page_size,
+                     budget=budget, q_data_type=dtype, kv_layout=layout)
+    assert plan.rank_kernel is not None, "cosa.plan did not pick the KAP kernel for a supported configuration"
+    plan.order.fill_(POISON)
+    plan.qbar.fill_(float("nan"))
+    plan.kbar.fill_(float("nan"))
+    order = cosa.order_mask(plan, batch.q.cuda(), cache)
+    assert order is plan.order
+    check(plan, batch, order.cpu())
+
+
+# A ragged batch: chunked prefill (q < kv), one token, exactly one block, q == kv with a
+# partial last block, a longer request, an empty request (kv_len = 0) and a 20-block one.
+RAGGED_Q = [300, 1, 128, 77, 256, 0, 2000]
+RAGGED_KV = [700, 513, 128, 77, 1000, 0, 2500]
+
+SWEEP = [
+    # dtype, head_dim, page_size, layout, group, combined, budget
+    (torch.bfloat16, 128, 16, "NHD", 1, True, 0.25),
+    (torch.float16, 64, 64, "HND", 4, False, 0.1),
+    (torch.bfloat16, 64, 128, "NHD", 8, False, 1.0),
+    (torch.float16, 128, 256, "HND", 8, True, 0.25),
+    (torch.bfloat16, 128, 256, "NHD", 4, True, 0.1),
+    (torch.float16, 128, 16, "HND", 4, False, 1.0),
+    (torch.bfloat16, 64, 32, "HND", 1, True, 0.25),
+    (torch.float16, 64, 128, "NHD", 1, True, 0.1),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout,group,combined,budget", SWEEP)
+def test_order_matches_float64_proxy(dtype, head_dim, page_size, layout, group, combined, budget):
+    run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=group,
+             combined=combined, budget=budget, q_lens=RAGGED_Q, kv_lens=RAGGED_KV)
+
+
+def test_group_ranked_in_two_passes():
+    # 1094 key blocks: the sort is 2048 wide, so 4 of the 8 heads of the group fit a pass
+    run_case(dtype=torch.bfloat16, head_dim=64, page_size=256, layout="NHD", group=8, budget=0.25,
+             q_lens=[384], kv_lens=[140_000])
+
+
+def test_widest_sort_one_head_per_pass():
+    # 4100 key blocks: an 8192-wide sort, one head per pass
+    run_case(dtype=torch.float16, head_dim=64, page_size=128, layout="HND", group=2, num_qo_heads=2,
+             budget=0.1, q_lens=[128], kv_lens=[4100 * 128])
+
+
+@pytest.mark.parametrize("kv_len,uses_kernel", [(kap.MAX_KEY_BLOCKS * 128, True),
+                                                (kap.MAX_KEY_BLOCKS * 128 + 1, False)])
+def test_plan_falls_back_to_torch_beyond_the_sort(kv_len, uses_kernel):
+    plan = cosa.plan(*uniform_page_table(1, 1, kv_len, 256, "cuda"), 8, 2, 128, 256)
+    assert (plan.rank_kernel is not None) == uses_kernel
+    assert plan.qbar.shape[0] == (1 if uses_kernel else 0)
