@@ -82,10 +82,11 @@ void check_operand(const void* data, const int64_t* strides, int rank, const cha
 #ifdef COSA_AOT_KERNELS
 namespace {
 
-// A tensor as the exported launchers take it: its leading dynamic extents and strides.
+// A tensor as the exported launchers take it: its extents (all dynamic, head_dim too) and
+// the strides of all but its contiguous last dim.
 struct Tensor {
     void* data;
-    int32_t shape[3];
+    int32_t shape[4];
     int64_t stride[3];
 };
 
@@ -105,6 +106,8 @@ struct has_strides<T, std::void_t<decltype(T::dynamic_strides)>> : std::true_typ
 template <class T>
 T descriptor(const Tensor& t) {
     T d{};
+    static_assert(std::size(decltype(d.dynamic_shapes){}) <= std::size(decltype(t.shape){}),
+                  "an exported kernel takes more extents than Tensor holds");
     d.data = t.data;
     for (std::size_t i = 0; i < std::size(d.dynamic_shapes); ++i) d.dynamic_shapes[i] = t.shape[i];
     if constexpr (has_strides<T>::value)
@@ -237,16 +240,17 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
             invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
                     std::to_string(device));
         const cosa_plan_args& a = plan->args;
-        const int32_t hq = p.num_qo_heads, page_size = a.remap.page_size, nq = static_cast<int32_t>(p.num_qtiles());
+        const int32_t hq = p.num_qo_heads, d = a.head_dim, page_size = a.remap.page_size,
+                      nq = static_cast<int32_t>(p.num_qtiles());
         const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(a.remap.num_pages);
         int32_t* w = plan->words;
         Launch l{};
-        l.q = {const_cast<void*>(args->q), {total_q, hq}, {args->q_strides[0], args->q_strides[1]}};
-        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.num_kv_heads},
+        l.q = {const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
+        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.num_kv_heads, d},
                {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
-        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.num_kv_heads},
+        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.num_kv_heads, d},
                {args->v_strides[0], args->v_strides[1], args->v_strides[2]}};
-        l.o = {args->o, {total_q, hq}, {args->o_strides[0], args->o_strides[1]}};
+        l.o = {args->o, {total_q, hq, d}, {args->o_strides[0], args->o_strides[1]}};
         l.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
         l.block_pages = {w + plan->block_pages, {static_cast<int32_t>(p.num_kv_blocks()), p.pages_per_block},
                          {p.pages_per_block}};

@@ -793,10 +793,13 @@ def _fake_args(dtype_name: str, head_dim: int):
         return cute.sym_int64(divisibility=d)
 
     mk = cute.runtime.make_fake_tensor
-    q = mk(dt, (sym(), sym(), head_dim), stride=(s64(div), s64(div), 1), assumed_align=16)
-    k = mk(dt, (sym(), sym(), sym(), head_dim), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
-    v = mk(dt, (sym(), sym(), sym(), head_dim), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
-    o = mk(dt, (sym(), sym(), head_dim), stride=(s64(div), s64(div), 1), assumed_align=16)
+    # Every extent dynamic, head_dim included (the kernel tiles with its static head_dim):
+    # the plain C ABI packs exactly the extents a tensor marks dynamic, and a caller's
+    # mark_layout_dynamic (osk_forward without TVM-FFI, aot.py) marks them all.
+    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
+    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    v = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    o = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
     lse = mk(Float32, (sym(), sym()), stride=(s64(), 1), assumed_align=4)
 
     def i1():
