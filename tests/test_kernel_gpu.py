@@ -167,3 +167,28 @@ def test_one_block_tiles():
     stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=32, layout="HND", group=1,
                      q_lens=[1, 64, 128], kv_lens=[1, 100, 128], budget=0.1, delta=1.0)
     assert (stats.computed == 1).all() and (stats.skipped == 0).all()
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size", [(torch.bfloat16, 128, 16), (torch.bfloat16, 64, 128)])
+def test_full_budget_matches_flash_attention_4(dtype, head_dim, page_size):
+    """Budget 1 with delta 0 against an independent kernel: FlashAttention-4 dense (causal,
+    bottom-right aligned like CoSA) on each request's contiguous K/V."""
+    fa4 = pytest.importorskip("flash_attn.cute")
+    seed = torch.seed()
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    num_qo_heads, hkv = 8, 2
+    batch = make_batch([300, 128, 77], [300, 520, 1000], num_qo_heads, hkv, head_dim, page_size,
+                       dtype=dtype, generator=g)
+    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
+                     batch.kv_last_page_len.cuda(), num_qo_heads, hkv, head_dim, page_size,
+                     budget=1.0, delta=0.0, q_data_type=dtype)
+    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
+    o = cosa.run(plan, batch.q.cuda(), cache, out=torch.full_like(batch.q, float("nan"), device="cuda"))
+    for (q, k, v), rows in zip(batch.requests, zip(batch.qo_indptr[:-1].tolist(), batch.qo_indptr[1:].tolist())):
+        expected = fa4.flash_attn_func(*(x.to(device="cuda", dtype=dtype)[None] for x in (q, k, v)),
+                                       softmax_scale=head_dim ** -0.5, causal=True)[0][0].float()
+        got = o[slice(*rows)].float()
+        rel = float((got - expected).norm() / expected.norm())
+        print(f"q_len={q.shape[0]} kv_len={k.shape[0]} rel={rel:.2e}")
+        assert rel <= 1e-2
