@@ -175,7 +175,7 @@ def evaluate_targets(rows: list[Row], page_sizes) -> list[Target]:
 
 # ----------------------------------------------------------------------------- output
 
-def _fmt(x: float | None, spec: str) -> str:
+def format_or_dash(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
@@ -185,9 +185,9 @@ TABLE_HEADER = (f"{'seq':>6} {'page':>4} {'row':<23} {'ms':>9} {'TFLOP/s':>7} {'
 
 def format_row(row: Row) -> str:
     share = None if row.proxy_share is None else 100 * row.proxy_share
-    return (f"{row.seq:>6} {_fmt(row.page, 'd'):>4} {row.name:<23} {_fmt(row.ms, '.3f'):>9} "
-            f"{_fmt(row.tflops, '.0f'):>7} {_fmt(row.density1, '.3f'):>5} {_fmt(row.density2, '.3f'):>5} "
-            f"{_fmt(row.speedup, '.2f'):>7} {_fmt(share, '.2f'):>6}  {row.note}").rstrip()
+    return (f"{row.seq:>6} {format_or_dash(row.page, 'd'):>4} {row.name:<23} {format_or_dash(row.ms, '.3f'):>9} "
+            f"{format_or_dash(row.tflops, '.0f'):>7} {format_or_dash(row.density1, '.3f'):>5} {format_or_dash(row.density2, '.3f'):>5} "
+            f"{format_or_dash(row.speedup, '.2f'):>7} {format_or_dash(share, '.2f'):>6}  {row.note}").rstrip()
 
 
 def format_table(rows: list[Row]) -> str:
@@ -200,7 +200,7 @@ def format_targets(targets: list[Target]) -> str:
     for t in targets:
         need = f"{'>=' if t.at_least else '<='}{t.need:g}"
         note = f"  ({t.note})" if t.note else ""
-        lines.append(f"{t.name:<45} {t.where:<11} {_fmt(t.ratio, '.3f'):>7} {need:>8}  {t.status}{note}")
+        lines.append(f"{t.name:<45} {t.where:<11} {format_or_dash(t.ratio, '.3f'):>7} {need:>8}  {t.status}{note}")
     return "\n".join(lines)
 
 

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cosa
-from bench_attention import load_fa4, rel_err
+from bench_attention import format_or_dash, load_fa4, rel_err
 from cosa.paged import indptr, page_table, scatter_pages
 from cosa.synthetic import rope
 
@@ -345,20 +345,16 @@ def is_cosa(row: Row) -> bool:
 
 # ----------------------------------------------------------------------------- output
 
-def _fmt(x, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 TABLE_HEADER = (f"{'seq':>6} {'attention':<20} {'TTFT ms':>9} {'attn ms':>9} {'attn%':>5} {'peak GiB':>8} "
                 f"{'KV GiB':>6} {'dens1':>5} {'dens2':>5} {'speedup':>7} {'logit err':>9}  note")
 
 
 def format_row(row: Row) -> str:
     share = None if row.attention_share is None else 100 * row.attention_share
-    return (f"{row.seq:>6} {row.attention:<20} {_fmt(row.ttft_ms, '.1f'):>9} {_fmt(row.attention_ms, '.1f'):>9} "
-            f"{_fmt(share, '.0f'):>5} {_fmt(row.peak_gib, '.1f'):>8} {_fmt(row.kv_cache_gib, '.1f'):>6} "
-            f"{_fmt(row.density1, '.3f'):>5} {_fmt(row.density2, '.3f'):>5} {_fmt(row.speedup, '.2f'):>7} "
-            f"{_fmt(row.logits_err, '.1e'):>9}  {row.note}").rstrip()
+    return (f"{row.seq:>6} {row.attention:<20} {format_or_dash(row.ttft_ms, '.1f'):>9} {format_or_dash(row.attention_ms, '.1f'):>9} "
+            f"{format_or_dash(share, '.0f'):>5} {format_or_dash(row.peak_gib, '.1f'):>8} {format_or_dash(row.kv_cache_gib, '.1f'):>6} "
+            f"{format_or_dash(row.density1, '.3f'):>5} {format_or_dash(row.density2, '.3f'):>5} {format_or_dash(row.speedup, '.2f'):>7} "
+            f"{format_or_dash(row.logits_err, '.1e'):>9}  {row.note}").rstrip()
 
 
 def target(rows: list[Row]) -> dict:
@@ -452,7 +448,7 @@ def main(argv=None) -> int:
     print(TABLE_HEADER)
     print("\n".join(format_row(r) for r in runner.rows))
     print(f"\ntarget: cosa TTFT speedup over the best dense at {TARGET_SEQ} >= {TARGET_SPEEDUP}: "
-          f"{_fmt(goal['speedup'], '.2f')} {goal['status']}")
+          f"{format_or_dash(goal['speedup'], '.2f')} {goal['status']}")
     return 0
 
 
