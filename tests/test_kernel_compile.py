@@ -4,7 +4,8 @@ Needs nvidia-cutlass-dsl (the ``gpu`` extra); without it this module fails to im
 on purpose: CI installs the DSL.  Kernels are compiled from fake tensors (symbolic
 shapes and strides), exactly as ``osk_forward`` compiles them at runtime, so no GPU is
 needed.  With apache-tvm-ffi installed the TVM-FFI host wrapper (the one used on the
-GPU) is compiled; otherwise the plain one (same device code).
+GPU) is compiled; otherwise the plain one (same device code).  The fake tensors are also
+checked against what the launchers pass through the plain C ABI.
 """
 
 from __future__ import annotations
@@ -52,3 +53,40 @@ def test_compile_kap_config(dtype_name, head_dim):
     assert pool is not None and rank is not None
     assert kap.compile_config(dtype_name, head_dim) == (pool, rank)  # cached
     print(f"compiled KAP {dtype_name} d{head_dim} for {os.environ['CUTE_DSL_ARCH']} in {seconds:.1f} s")
+
+
+def _runtime_args():
+    """Tensors like those ``osk_forward`` and ``kap_order`` pass (shapes are arbitrary: only
+    which extents and strides are dynamic matters): a view of a combined NHD cache for K/V."""
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    cache = torch.zeros(3, 2, 16, 2, 128, dtype=bf16)
+    q = torch.zeros(5, 4, 128, dtype=bf16)
+    tables = {"block_pages": torch.zeros(2, 8, dtype=i32), "kv_block_indptr": torch.zeros(3, dtype=i32),
+              "qo_lens": torch.zeros(2, dtype=i32), "kv_lens": torch.zeros(2, dtype=i32),
+              "qtiles": torch.zeros(2, 8, dtype=i32), "tile_order": torch.zeros(8, 2, dtype=i32),
+              "order": torch.zeros(2, 4, 3, dtype=i32), "counts": torch.zeros(2, 4, dtype=i32)}
+    means = torch.zeros(2, 4, 128, dtype=f32)
+    osk_args = (q, cache[:, 0], cache[:, 1], torch.zeros_like(q), torch.zeros(5, 4, dtype=f32),
+                tables["block_pages"], tables["kv_block_indptr"], tables["qo_lens"], tables["kv_lens"],
+                tables["qtiles"], tables["tile_order"], tables["order"], tables["counts"], tables["counts"])
+    pool_args = (q, cache[:, 0], tables["block_pages"], tables["kv_block_indptr"], tables["kv_lens"],
+                 tables["qtiles"], means, means)
+    rank_args = (means, means, torch.zeros(2, 6, dtype=torch.int64), tables["qtiles"],
+                 tables["kv_block_indptr"], tables["order"])
+    return {"osk": (osk._fake_args("bfloat16"), osk_args),
+            "kap pool": (kap._fake_pool_args("bfloat16"), pool_args),
+            "kap rank": (kap._fake_rank_args(), rank_args)}
+
+
+@pytest.mark.parametrize("kernel", ["osk", "kap pool", "kap rank"])
+def test_plain_abi_arguments_match_the_compiled_spec(kernel):
+    """The plain C ABI (the kernels libcosa exports, and the JIT path without TVM-FFI) packs
+    exactly the extents and strides a tensor marks dynamic; the launchers mark theirs with
+    ``_to_cute``, so those must be the ones each kernel was compiled to read (with head_dim
+    static in the spec, every later stride was read from the wrong slot on the GPU)."""
+    fakes, tensors = _runtime_args()[kernel]
+    assert len(fakes) == len(tensors)
+    for position, (fake, tensor) in enumerate(zip(fakes, tensors)):
+        passed = osk._to_cute(tensor, tensor.dim() - 1)
+        assert (passed.dynamic_shapes_mask, passed.dynamic_strides_mask) == \
+            (fake.dynamic_shapes_mask, fake.dynamic_strides_mask), f"argument {position}"
