@@ -60,7 +60,7 @@ import torch
 from .. import _C
 from ..proxy.order import BLOCK_BITS
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _to_cute, fake_operand
+from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _to_cute
 from .osk import supported as _osk_supported
 
 import cutlass  # noqa: E402
@@ -340,10 +340,18 @@ _cache: dict = {}
 _lock = threading.Lock()
 
 
-def _fake_pool_args(dtype_name: str):
+def _fake_pool_args(dtype_name: str, head_dim: int):
     dt = _cutlass_dtype(dtype_name)
+    div = 128 // dt.width
     sym = cute.sym_int
-    q, k = fake_operand(dt, 3), fake_operand(dt, 4)
+
+    def s64(d=1):
+        return cute.sym_int64(divisibility=d)
+
+    mk = cute.runtime.make_fake_tensor
+    # every extent dynamic, as osk._fake_args explains (the plain C ABI)
+    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
+    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
     return (q, k, _fake_int32((sym(), sym())), _fake_int32((sym(),)), _fake_int32((sym(),)),
             _fake_int32((sym(), sym())), _fake_means(), _fake_means())
 
@@ -385,7 +393,7 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
         return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
 
     pool = _compiled(("pool", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
-        KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name),
+        KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name, head_dim),
         Int32(4), stream(), options=options))
     rank = _compiled(("rank", head_dim, use_tvm_ffi), lambda: cute.compile(
         KAPRank(head_dim), *_fake_rank_args(), stream(), options=options))

@@ -784,26 +784,22 @@ def supported(head_dim: int, dtype) -> bool:
     return head_dim in HEAD_DIMS and name in _DTYPE_NAMES
 
 
-def fake_operand(dtype, rank: int):
-    """A fake q, k, v or o to compile from: every extent dynamic, head_dim included (the kernels
-    tile with their static head_dim), since the plain C ABI packs exactly the extents a tensor
-    marks dynamic and a caller's ``mark_layout_dynamic`` (no TVM-FFI; ``aot.py``) marks them all;
-    rows of 16-byte multiples."""
-    div = 128 // dtype.width
-    return cute.runtime.make_fake_tensor(
-        dtype, tuple(cute.sym_int() for _ in range(rank)),
-        stride=tuple(cute.sym_int64(divisibility=div) for _ in range(rank - 1)) + (1,), assumed_align=16)
-
-
-def _fake_args(dtype_name: str):
+def _fake_args(dtype_name: str, head_dim: int):
     dt = _cutlass_dtype(dtype_name)
+    div = 128 // dt.width
     sym = cute.sym_int
 
     def s64(d=1):
         return cute.sym_int64(divisibility=d)
 
     mk = cute.runtime.make_fake_tensor
-    q, k, v, o = fake_operand(dt, 3), fake_operand(dt, 4), fake_operand(dt, 4), fake_operand(dt, 3)
+    # Every extent dynamic, head_dim included (the kernel tiles with its static head_dim):
+    # the plain C ABI packs exactly the extents a tensor marks dynamic, and a caller's
+    # mark_layout_dynamic (osk_forward without TVM-FFI, aot.py) marks them all.
+    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
+    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    v = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
+    o = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
     lse = mk(Float32, (sym(), sym()), stride=(s64(), 1), assumed_align=4)
 
     def i1():
@@ -834,7 +830,7 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
             stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=bool(use_tvm_ffi))
             fn = cute.compile(
                 op,
-                *_fake_args(dtype_name),
+                *_fake_args(dtype_name, head_dim),
                 Float32(1.0), Float32(0.0), Int32(4), Int32(1), Int32(1), Int32(1),
                 stream,
                 options="--enable-tvm-ffi" if use_tvm_ffi else "",
