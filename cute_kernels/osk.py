@@ -40,15 +40,17 @@ query head):
 
 - warp group 0, the producer (register budget lowered with ``setmaxnreg``), loads Q
   with cp.async; then warp 0 walks the tile's order and, per logical key block j,
-  issues 128/16 TMA boxes of 16 rows x D for K_j straight from the paged cache
-  (several pages per block for small pages, a slice of a page for large ones; a box
-  never crosses a page since every page size is a multiple of 16) into a 2-stage
-  ring of 128B-swizzled smem buffers completed by transaction-count mbarriers
-  (``PipelineTmaAsync``).  Warp 1 loads V_j the same way, but with stage 2 on only
-  for the blocks the consumers' vote computes (decisions reach it through a small
-  smem ring, ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys past kv_len inside a
-  page, so for a partial last block the consumers zero those V rows in smem before
-  PV (masked K columns are overwritten with -inf);
+  loads K_j by TMA straight from the paged cache into a 2-stage ring of 128B-swizzled
+  smem buffers completed by transaction-count mbarriers (``PipelineTmaAsync``): one
+  128-row box when a page holds whole blocks (page size >= 128: a slice of one page),
+  else 128/16 boxes of 16 rows (several pages per block; every page size is a multiple
+  of 16, so a box never crosses a page).  The order entry and the block's page indices
+  are read before the ring slot is acquired, so that their latency hides under that
+  wait.  Warp 1 loads V_j the same way, but with stage 2 on only for the blocks the
+  consumers' vote computes (decisions reach it through a small smem ring,
+  ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
+  past kv_len inside a page, so for a partial last block the consumers zero those V
+  rows in smem before PV (masked K columns are overwritten with -inf);
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
@@ -62,9 +64,9 @@ Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
 block and ``max over valid rows (mloc - m) < thr``, where a row whose block
 logits are all masked contributes ``-inf``.  One decision per tile: each consumer
-warp reduces its rows, writes its max to a double-buffered smem slot, a named
-barrier over the 256 consumer threads, every thread reads all eight.  A skipped
-block does no exp, no PV and loads no V.
+thread tests its rows against thr and one ``bar.red.or`` over the 256 consumer
+threads both synchronises them and ORs the tests.  A skipped block does no exp, no
+PV and loads no V.
 
 Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), all
 strides, NHD/HND (a permuted view), causal, the GQA group, batch shape and scalars
@@ -92,6 +94,7 @@ import cutlass.pipeline as pipeline  # noqa: E402
 import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
 from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
+from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from .aot import load_kernel  # noqa: E402
@@ -111,11 +114,12 @@ NUM_CONSUMER_WARPS = NUM_CONSUMER_THREADS // 32
 LOG2_E = 1.4426950408889634
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
 QT_NUM_SELECTED = 7
-BAR_VOTE = 1
+BAR_VOTE = 1  # the stage-2 vote (bar.red.or)
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
-BOX = 16  # TMA box rows: the smallest supported page size
+BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
+BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 2
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
@@ -201,7 +205,6 @@ class OSKForward:
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.k_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.v_stages]
             mbar_decision: cute.struct.MemRange[cutlass.Int64, 2 * DECISION_SLOTS]
-            vote: cute.struct.Align[cute.struct.MemRange[Float32, 2 * NUM_CONSUMER_WARPS], 16]
             decision: cute.struct.MemRange[Int32, DECISION_SLOTS]
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
@@ -233,22 +236,24 @@ class OSKForward:
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, D),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        # (page row, d, kv head, page) views of the cache; a box is BOX rows x D of
-        # one page (BOX = 16 divides every page size), 128 / BOX boxes per block.
-        box_layout = cute.composition(cute.select(sK_layout, mode=[0, 1]), (BOX, D))
+        # (page row, d, kv head, page) views of the cache.  Two TMA boxes per tensor: the
+        # whole block (TILE_N rows x D of one page) when a page holds whole blocks, else
+        # BOX rows (BOX = 16 divides every page size), TILE_N / BOX boxes per block.
+        stage_layout = cute.select(sK_layout, mode=[0, 1])
         op = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_K, mK_tma = cpasync.make_tiled_tma_atom(
-            op, cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 3, 2, 0])),
-            box_layout, (BOX, D))
-        tma_atom_V, mV_tma = cpasync.make_tiled_tma_atom(
-            op, cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[1, 3, 2, 0])),
-            box_layout, (BOX, D))
+        tma = []
+        for mX in (mK, mV):
+            view = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+            for rows in (TILE_N, BOX):
+                tma.extend(cpasync.make_tiled_tma_atom(
+                    op, view, cute.composition(stage_layout, (rows, D)), (rows, D)))
+        tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, tma_atom_V_block, mV_block, tma_atom_V_box, mV_box = tma
         self.kernel(
-            mQ, mK_tma, mV_tma, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens, mKvLens,
-            mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
+            mQ, mK_block, mK_box, mV_block, mV_box, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens,
+            mKvLens, mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
             sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
             sQ_layout, sK_layout, sV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_pv,
-            tma_atom_K, tma_atom_V, SharedStorage,
+            tma_atom_K_block, tma_atom_K_box, tma_atom_V_block, tma_atom_V_box, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
             block=[NUM_THREADS, 1, 1],
@@ -275,26 +280,52 @@ class OSKForward:
                 tXsX[None, m, None].fill(0)
 
     @cute.jit
-    def _tma_block(self, tma_atom, gX, sX, mbar, stage, mBlockPages, blk_base: Int32, kv_len: Int32,
-                   page_shift: Int32, page_mask: Int32, j: Int32):
-        """Issue the 128 / BOX TMA boxes of logical key block j into stage `stage`.  A box
-        wholly past kv_len reads page 0 instead (finite or not, those keys are masked
-        and their V rows zeroed by the consumers), so every stage receives exactly
-        128 * D elements and the transaction count is static."""
-        blk = blk_base + j
-        jstart = j * TILE_N
-        pbase = jstart >> page_shift
-        for i in cutlass.range_constexpr(TILE_N // BOX):
-            g = jstart + i * BOX
-            page = Int32(0)
-            if g < kv_len:
-                page = mBlockPages[blk, (g >> page_shift) - pbase]
-            s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
+    def _listed_block(self, mOrder, qt, head, it, num_sel):
+        """Entry ``it`` of the tile's order, 0 past its end.  Loops read it one block ahead,
+        so that the load's latency hides under a block's work."""
+        j = Int32(0)
+        if it < num_sel:
+            j = mOrder[qt, head, it]
+        return j
+
+    @cute.jit
+    def _block_pages(self, mBlockPages, blk: Int32, jstart: Int32, kv_len: Int32, page_shift: Int32):
+        """The physical pages logical block ``blk`` (key rows jstart..jstart+127) is read
+        from: pages[0] alone when a page holds whole blocks (one box), else one page per
+        BOX rows.  A box wholly past kv_len reads page 0 instead (finite or not, those keys
+        are masked and their V rows zeroed by the consumers), so every stage receives
+        exactly TILE_N * D elements and the transaction count is static.  Loaded before the
+        ring slot is acquired, so that the loads' latency hides under that wait."""
+        pages = cute.make_rmem_tensor((TILE_N // BOX,), Int32)
+        pages.fill(0)
+        if page_shift >= BLOCK_SHIFT:
+            pages[0] = mBlockPages[blk, 0]
+        else:
+            pbase = jstart >> page_shift
+            for i in cutlass.range_constexpr(TILE_N // BOX):
+                g = jstart + i * BOX
+                if g < kv_len:
+                    pages[i] = mBlockPages[blk, (g >> page_shift) - pbase]
+        return pages
+
+    @cute.jit
+    def _tma_block(self, tma_block, g_block, tma_box, g_box, sX, mbar, stage, pages, jstart: Int32,
+                   page_shift: Int32, page_mask: Int32):
+        """Issue the TMA loads of one logical key block (pages from ``_block_pages``) into
+        stage ``stage``: one TILE_N-row box when a page holds whole blocks, else TILE_N / BOX
+        boxes of BOX rows."""
+        if page_shift >= BLOCK_SHIFT:
             tS, tG = cpasync.tma_partition(
-                tma_atom, 0, cute.make_layout(1),
-                cute.group_modes(s_box, 0, 2), cute.group_modes(gX, 0, 2),
-            )
-            cute.copy(tma_atom, tG[None, (g & page_mask) // BOX, page], tS[None, stage], tma_bar_ptr=mbar)
+                tma_block, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g_block, 0, 2))
+            cute.copy(tma_block, tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]], tS[None, stage],
+                      tma_bar_ptr=mbar)
+        else:
+            for i in cutlass.range_constexpr(TILE_N // BOX):
+                g = jstart + i * BOX
+                s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
+                tS, tG = cpasync.tma_partition(
+                    tma_box, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2), cute.group_modes(g_box, 0, 2))
+                cute.copy(tma_box, tG[None, (g & page_mask) // BOX, pages[i]], tS[None, stage], tma_bar_ptr=mbar)
 
     @cute.jit
     def _wait_v(self, pipe_v, st, tiled_copy_o, sV, ctid, valid_rows):
@@ -359,7 +390,7 @@ class OSKForward:
         """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and
         return the tile-wide stage-2 decision (True = skip)."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-         row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+         row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
          scale_log2, thr) = ctx
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         # masking is needed only for a block that crosses kv_len or the diagonal of the
@@ -388,16 +419,10 @@ class OSKForward:
         # The first visited block is never skipped, and with delta = 0 (thr = -inf) no
         # block is: no vote (and no barrier coupling the two warp groups) is needed.
         if it > 0 and thr != -Float32.inf:
-            for i in cutlass.range_constexpr(5):
-                want = cute.arch.fmax(want, cute.arch.shuffle_sync_bfly(want, offset=1 << i))
-            slot = (it % 2) * NUM_CONSUMER_WARPS
-            if lane == 0:
-                sVote[slot + cwarp] = want
-            cute.arch.barrier(barrier_id=BAR_VOTE, number_of_threads=NUM_CONSUMER_THREADS)
-            best = sVote[slot]
-            for w in cutlass.range_constexpr(1, NUM_CONSUMER_WARPS):
-                best = cute.arch.fmax(best, sVote[slot + w])
-            skip = best < thr
+            # bar.red.or over the 256 consumer threads: the barrier is the vote
+            computes = nvvm_x.barrier_cta_red_aligned(
+                want >= thr, BAR_VOTE, "or", thread_count=NUM_CONSUMER_THREADS)
+            skip = not computes
         return skip
 
     @cute.jit
@@ -405,7 +430,7 @@ class OSKForward:
         """Online-softmax update of row_max/row_sum; S -> P in place; writes into corr
         the per-row factor by which O must be rescaled."""
         (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-         row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+         row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
          scale_log2, thr) = ctx
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         for r in cutlass.range_constexpr(cute.size(mloc)):
@@ -431,8 +456,10 @@ class OSKForward:
     def kernel(
         self,
         mQ: cute.Tensor,
-        mK: cute.Tensor,
-        mV: cute.Tensor,
+        mK_block: cute.Tensor,
+        mK_box: cute.Tensor,
+        mV_block: cute.Tensor,
+        mV_box: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mBlockPages: cute.Tensor,
@@ -457,8 +484,10 @@ class OSKForward:
         tiled_copy_o: cute.TiledCopy,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
-        tma_atom_K,
-        tma_atom_V,
+        tma_atom_K_block,
+        tma_atom_K_box,
+        tma_atom_V_block,
+        tma_atom_V_box,
         SharedStorage: cutlass.Constexpr,
     ):
         D = self.head_dim
@@ -484,7 +513,6 @@ class OSKForward:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        sVote = storage.vote.get_tensor(cute.make_layout((2 * NUM_CONSUMER_WARPS,)))
         sDecision = storage.decision.get_tensor(cute.make_layout((DECISION_SLOTS,)))
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS)
@@ -533,23 +561,36 @@ class OSKForward:
             page_mask = (Int32(1) << page_shift) - 1
             if warp_idx == 0:
                 # K of every block in the tile's order
-                cpasync.prefetch_descriptor(tma_atom_K)
-                # per box: source (BOX, D) tile of (page row box, page); dest box of a stage
-                gK = cute.local_tile(mK[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                cpasync.prefetch_descriptor(tma_atom_K_block)
+                cpasync.prefetch_descriptor(tma_atom_K_box)
+                # per box: source (rows, D) tile of (box in page, page); dest a stage
+                gK_block = cute.local_tile(mK_block[None, None, kv_head, None], (TILE_N, D), (None, 0, None))
+                gK_box = cute.local_tile(mK_box[None, None, kv_head, None], (BOX, D), (None, 0, None))
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
+                j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
+                    j = j_next
+                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
+                    pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
                     pipe_k.producer_acquire(k_state)
-                    self._tma_block(tma_atom_K, gK, sK, pipe_k.producer_get_barrier(k_state), k_state.index,
-                                    mBlockPages, blk_base, kv_len, page_shift, page_mask, mOrder[qt, head, it])
+                    self._tma_block(tma_atom_K_block, gK_block, tma_atom_K_box, gK_box, sK,
+                                    pipe_k.producer_get_barrier(k_state), k_state.index, pages, j * TILE_N,
+                                    page_shift, page_mask)
                     k_state.advance()
             elif warp_idx == 1:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
-                cpasync.prefetch_descriptor(tma_atom_V)
-                gV = cute.local_tile(mV[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                cpasync.prefetch_descriptor(tma_atom_V_block)
+                cpasync.prefetch_descriptor(tma_atom_V_box)
+                gV_block = cute.local_tile(mV_block[None, None, kv_head, None], (TILE_N, D), (None, 0, None))
+                gV_box = cute.local_tile(mV_box[None, None, kv_head, None], (BOX, D), (None, 0, None))
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
+                j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
+                    j = j_next
+                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
+                    pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
                     needed = cutlass.Boolean(True)
                     if it > 0 and log_delta != -Float32.inf:
                         pipe_decision.consumer_wait(d_state)
@@ -558,18 +599,19 @@ class OSKForward:
                         d_state.advance()
                     if needed:
                         pipe_v.producer_acquire(v_state)
-                        self._tma_block(tma_atom_V, gV, sV, pipe_v.producer_get_barrier(v_state),
-                                        v_state.index, mBlockPages, blk_base, kv_len, page_shift,
-                                        page_mask, mOrder[qt, head, it])
+                        self._tma_block(tma_atom_V_block, gV_block, tma_atom_V_box, gV_box, sV,
+                                        pipe_v.producer_get_barrier(v_state), v_state.index, pages,
+                                        j * TILE_N, page_shift, page_mask)
                         v_state.advance()
             cute.arch.cp_async_wait_group(0)
         else:
             # ================================================ consumer warp groups
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             ctid = tidx - NUM_PRODUCER_THREADS
-            cwarp = ctid // 32
-            lane = ctid % 32
-            wg = ctid // 128
+            # from the warp-uniform warp_idx: a warp group's Q descriptors then live in uniform
+            # registers instead of being moved there before every wgmma
+            cwarp = warp_idx - NUM_PRODUCER_THREADS // 32
+            wg = cwarp // 4
             diag0 = kv_len - q_len + q_index * TILE_M
             thr = log_delta - cute.math.log(Float32(cutlass.max(kv_len, 1)))
 
@@ -598,7 +640,7 @@ class OSKForward:
             pipe_q.consumer_wait(q_state)
             corr = cute.make_rmem_tensor((n_my_rows,), Float32)
             ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-                   row_sum, mloc, sVote, cwarp, lane, kv_len, rows, diag0, causal, sm_scale,
+                   row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
                    scale_log2, thr)
             # P of the block whose PV is still to be issued, as the A operand of PV
             rP = cute.make_fragment_like(
@@ -621,11 +663,14 @@ class OSKForward:
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(kst)
                 jstart = mOrder[qt, head, 0] * TILE_N
+                j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
                 self._mask_and_vote(ctx, acc_S, 0, jstart)
                 self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 for it in cutlass.range(1, num_sel, unroll=1):
+                    jstart = j_next * TILE_N
+                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     v_prev = self._v_state(it - 1)
                     kst = self._k_state(it)
                     pipe_k.consumer_wait(kst)
@@ -635,7 +680,6 @@ class OSKForward:
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
                     pipe_k.consumer_release(kst)
-                    jstart = mOrder[qt, head, it] * TILE_N
                     self._mask_and_vote(ctx, acc_S, it, jstart)
                     self._softmax(ctx, acc_S, corr)
                     warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
@@ -664,6 +708,7 @@ class OSKForward:
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(kst)
                 j_pending = mOrder[qt, head, 0] * TILE_N
+                j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
                 self._mask_and_vote(ctx, acc_S, 0, j_pending)  # the first block is never skipped
                 self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
@@ -671,13 +716,14 @@ class OSKForward:
                 pending = cutlass.Boolean(True)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
                 for it in cutlass.range(1, num_sel, unroll=1):
+                    jstart = j_next * TILE_N
+                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     kst = self._k_state(it)
                     v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
                     pipe_k.consumer_wait(kst)
                     acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
                     warpgroup.wait_group(0)
                     pipe_k.consumer_release(kst)
-                    jstart = mOrder[qt, head, it] * TILE_N
                     skip = self._mask_and_vote(ctx, acc_S, it, jstart)
                     if ctid == 0:
                         pipe_decision.producer_acquire(d_state)
