@@ -60,7 +60,7 @@ import torch
 from .. import _C
 from ..proxy.order import BLOCK_BITS
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _to_cute
+from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _to_cute
 from .osk import supported as _osk_supported
 
 import cutlass  # noqa: E402
@@ -340,40 +340,21 @@ _cache: dict = {}
 _lock = threading.Lock()
 
 
-def _fake_pool_args(dtype_name: str, head_dim: int):
+def _fake_pool_args(dtype_name: str):
     dt = _cutlass_dtype(dtype_name)
-    div = 128 // dt.width
-    sym = cute.sym_int
-
-    def s64(d=1):
-        return cute.sym_int64(divisibility=d)
-
-    mk = cute.runtime.make_fake_tensor
-    # every extent dynamic, as osk._fake_args explains (the plain C ABI)
-    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
-    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
-    return (q, k, _fake_int32((sym(), sym())), _fake_int32((sym(),)), _fake_int32((sym(),)),
-            _fake_int32((sym(), sym())), _fake_means(), _fake_means())
+    q, k = _fake_tensor(dt, 3, vectorized=True), _fake_tensor(dt, 4, vectorized=True)
+    return (q, k, _fake_tensor(Int32, 2), _fake_tensor(Int32, 1), _fake_tensor(Int32, 1),
+            _fake_tensor(Int32, 2), _fake_means(), _fake_means())
 
 
 def _fake_rank_args():
-    sym = cute.sym_int
-    rank_base = cute.runtime.make_fake_tensor(Int64, (sym(), sym()), stride=(cute.sym_int64(), 1),
-                                              assumed_align=8)
-    return (_fake_means(), _fake_means(), rank_base, _fake_int32((sym(), sym())),
-            _fake_int32((sym(),)), _fake_int32((sym(), sym(), sym())))
-
-
-def _fake_int32(shape):
-    strides = tuple(cute.sym_int64() for _ in shape[1:]) + (1,)
-    return cute.runtime.make_fake_tensor(Int32, shape, stride=strides, assumed_align=4)
+    return (_fake_means(), _fake_means(), _fake_tensor(Int64, 2), _fake_tensor(Int32, 2),
+            _fake_tensor(Int32, 1), _fake_tensor(Int32, 3))
 
 
 def _fake_means():
     """qbar / kbar: [rows, heads, head_dim] float32, 16-byte aligned rows."""
-    sym, s64 = cute.sym_int, cute.sym_int64
-    return cute.runtime.make_fake_tensor(Float32, (sym(), sym(), sym()),
-                                         stride=(s64(divisibility=4), s64(divisibility=4), 1), assumed_align=16)
+    return _fake_tensor(Float32, 3, vectorized=True)
 
 
 def _compiled(key, build):
@@ -393,7 +374,7 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
         return cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
 
     pool = _compiled(("pool", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
-        KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name, head_dim),
+        KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name),
         Int32(4), stream(), options=options))
     rank = _compiled(("rank", head_dim, use_tvm_ffi), lambda: cute.compile(
         KAPRank(head_dim), *_fake_rank_args(), stream(), options=options))

@@ -830,36 +830,26 @@ def supported(head_dim: int, dtype) -> bool:
     return head_dim in HEAD_DIMS and name in _DTYPE_NAMES
 
 
-def _fake_args(dtype_name: str, head_dim: int):
+def _fake_tensor(dtype, rank: int, vectorized: bool = False):
+    """A fake tensor to compile against: every extent dynamic, the last dim contiguous;
+    ``vectorized``: 16-byte aligned rows (TMA, 128-bit copies).  Every extent, head_dim
+    included (the kernels tile with their static head_dim): the plain C ABI packs exactly
+    the extents a tensor marks dynamic, and a caller's mark_layout_dynamic (the launchers
+    without TVM-FFI, aot.py) marks them all."""
+    div = 128 // dtype.width if vectorized else 1
+    return cute.runtime.make_fake_tensor(
+        dtype, tuple(cute.sym_int() for _ in range(rank)),
+        stride=tuple(cute.sym_int64(divisibility=div) for _ in range(rank - 1)) + (1,),
+        assumed_align=16 if vectorized else dtype.width // 8)
+
+
+def _fake_args(dtype_name: str):
     dt = _cutlass_dtype(dtype_name)
-    div = 128 // dt.width
-    sym = cute.sym_int
-
-    def s64(d=1):
-        return cute.sym_int64(divisibility=d)
-
-    mk = cute.runtime.make_fake_tensor
-    # Every extent dynamic, head_dim included (the kernel tiles with its static head_dim):
-    # the plain C ABI packs exactly the extents a tensor marks dynamic, and a caller's
-    # mark_layout_dynamic (osk_forward without TVM-FFI, aot.py) marks them all.
-    q = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
-    k = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
-    v = mk(dt, (sym(), sym(), sym(), sym()), stride=(s64(div), s64(div), s64(div), 1), assumed_align=16)
-    o = mk(dt, (sym(), sym(), sym()), stride=(s64(div), s64(div), 1), assumed_align=16)
-    lse = mk(Float32, (sym(), sym()), stride=(s64(), 1), assumed_align=4)
-
-    def i1():
-        return mk(Int32, (sym(),), stride=(1,), assumed_align=4)
-
-    def i2(cols=None):
-        return mk(Int32, (sym(), sym() if cols is None else cols), stride=(s64(), 1), assumed_align=4)
-
-    block_pages = i2()
-    indptr, qo_lens, kv_lens = i1(), i1(), i1()
-    qtiles = i2()
-    tile_order = i2()
-    order = mk(Int32, (sym(), sym(), sym()), stride=(s64(), s64(), 1), assumed_align=4)
-    computed, skipped = i2(), i2()
+    q, k, v, o = (_fake_tensor(dt, rank, vectorized=True) for rank in (3, 4, 4, 3))
+    lse = _fake_tensor(Float32, 2)
+    block_pages, qtiles, tile_order, computed, skipped = (_fake_tensor(Int32, 2) for _ in range(5))
+    indptr, qo_lens, kv_lens = (_fake_tensor(Int32, 1) for _ in range(3))
+    order = _fake_tensor(Int32, 3)
     return (q, k, v, o, lse, block_pages, indptr, qo_lens, kv_lens, qtiles, tile_order,
             order, computed, skipped)
 
@@ -876,7 +866,7 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
             stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=bool(use_tvm_ffi))
             fn = cute.compile(
                 op,
-                *_fake_args(dtype_name, head_dim),
+                *_fake_args(dtype_name),
                 Float32(1.0), Float32(0.0), Int32(4), Int32(1), Int32(1), Int32(1),
                 stream,
                 options="--enable-tvm-ffi" if use_tvm_ffi else "",

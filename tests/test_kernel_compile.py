@@ -73,8 +73,8 @@ def _runtime_args():
                  tables["qtiles"], means, means)
     rank_args = (means, means, torch.zeros(2, 6, dtype=torch.int64), tables["qtiles"],
                  tables["kv_block_indptr"], tables["order"])
-    return {"osk": (osk._fake_args("bfloat16", 128), osk_args),
-            "kap pool": (kap._fake_pool_args("bfloat16", 128), pool_args),
+    return {"osk": (osk._fake_args("bfloat16"), osk_args),
+            "kap pool": (kap._fake_pool_args("bfloat16"), pool_args),
             "kap rank": (kap._fake_rank_args(), rank_args)}
 
 
