@@ -6,7 +6,7 @@ one exported ahead of time into libcosa (AOT), each in fresh Python processes.
 Each process imports torch and cosa (``import``), makes the inputs and the CUDA context
 (untimed), then times ``cosa.plan`` (``plan``; it imports the CuTe DSL) and the first
 ``cosa.run`` with a synchronize (``first run``); ``first call`` is their sum.  Then ``steady``:
-the median of CUDA-event times of further calls.  JIT processes run with COSA_DISABLE_AOT=1;
+the median CUDA-event time of further calls (``bench_attention.time_ms``).  JIT processes run with COSA_DISABLE_AOT=1;
 AOT needs a cosa built with COSA_AOT_KERNELS=1 (the ``kernel`` column says what each process
 used).  bench/README.md has the details.  Without a GPU it says so and exits 0.
 """
@@ -42,13 +42,14 @@ def measure(args) -> dict:
 
     import cosa
     from cosa.cute_kernels import aot
-    from cosa.paged import paged_kv_cache
+    from cosa.paged import indptr, paged_kv_cache
     import_s = time.perf_counter() - start
+    from bench_attention import time_ms  # after the timed imports: it imports torch and cosa too
 
     hq, hkv, head_dim, page_size, n = 32, 8, 128, 16, args.seq_len
     q, k, v = (torch.randn(n, heads, head_dim, device="cuda", dtype=torch.bfloat16) for heads in (hq, hkv, hkv))
     cache, *page_table = paged_kv_cache(k, v, [n], page_size)
-    qo_indptr = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+    qo_indptr = indptr([n], q.device)
     torch.cuda.synchronize()
 
     start = time.perf_counter()
@@ -58,21 +59,12 @@ def measure(args) -> dict:
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - start
 
-    for _ in range(3):
-        cosa.run(plan, q, cache)
-    times = []
-    for _ in range(args.steady):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        cosa.run(plan, q, cache)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
+    steady_ms = time_ms(lambda: cosa.run(plan, q, cache), 3, args.steady)
     source = aot.kernel_source("bfloat16", head_dim) if plan.uses_kernel else None
     return {"mode": args.child, "kernel": source.kind if source else "reference",
             "kernel_detail": source.detail if source else "cosa.run uses the torch reference",
             "import_s": import_s, "plan_s": plan_s, "first_run_s": first_call_s - plan_s,
-            "first_call_s": first_call_s, "steady_ms": statistics.median(times),
+            "first_call_s": first_call_s, "steady_ms": steady_ms,
             "device": torch.cuda.get_device_name()}
 
 
