@@ -27,9 +27,10 @@ from .metrics import attention_block_mass, iou, mass_recall, order_to_mask, rela
 ORDERINGS = ("descending", "ascending", "random")
 
 
-def _contiguous_plan(q, k, budget, **options):
+def _contiguous_plan(q, k, **options):
+    """The plan for one request's contiguous ``q``, ``k`` laid out by ``to_pages(x, 128)``."""
     return plan(*uniform_page_table(1, q.shape[0], k.shape[0], 128, q.device), q.shape[1], k.shape[1],
-                q.shape[2], 128, budget=budget, q_data_type=q.dtype, **options)
+                q.shape[2], 128, q_data_type=q.dtype, **options)
 
 
 def reorder_scored_blocks(order: torch.Tensor, qtiles: torch.Tensor, num_kv_blocks: int, ordering: str,
@@ -69,7 +70,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
         kv_blocks = mass.shape[-1]
         base = {"layer": layer}
         for budget in budgets:
-            plan_ = _contiguous_plan(q, k, budget)
+            plan_ = _contiguous_plan(q, k, budget=budget)
             candidates = plan_.qtiles[:, _C.QT_NUM_CANDIDATES].double()
             for proxy in proxies:
                 order = torch.empty_like(plan_.order)
@@ -164,8 +165,7 @@ def long_context_study(lengths, plan_options, *, heads=(32, 8), head_dim=128, ne
             v[needle] = value.float()
             q[-checked_rows:] += (gain * direction).repeat_interleave(group, 0).float()
             q, k, v = (x.to(device=device, dtype=dtype) for x in (q, k, v))
-            plan_ = plan(*uniform_page_table(1, length, length, 128, device), num_qo_heads, num_kv_heads,
-                         head_dim, 128, q_data_type=dtype, **plan_options)
+            plan_ = _contiguous_plan(q, k, **plan_options)
             o = run(plan_, q, (to_pages(k, 128), to_pages(v, 128)))[-checked_rows:]
             dense, _ = dense_attention(q[-checked_rows:], k, v, causal=True, sm_scale=head_dim ** -0.5)
             needle_value = value.to(device).float().repeat_interleave(group, 0)[None]
@@ -173,7 +173,7 @@ def long_context_study(lengths, plan_options, *, heads=(32, 8), head_dim=128, ne
             stats = plan_.stats()
             records.append({"study": "long_context", "length": length, "needle_tokens": tokens,
                             "needle_at": needle.start, "device": device.type,
-                            "kernel": getattr(plan_, "uses_kernel", False),
+                            "kernel": plan_.uses_kernel,
                             "cosine_cosa": round(float(kept(o).mean()), 4),
                             "cosine_dense": round(float(kept(dense).mean()), 4),
                             "error": round(float(relative_error(o, dense).mean()), 6),
