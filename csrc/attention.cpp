@@ -51,11 +51,8 @@ using cosa::require;
 [[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
 
 void check_plan_args(const cosa_plan_args& a) {
-    if (a.num_kv_heads <= 0 || a.remap.num_qo_heads % a.num_kv_heads != 0)
-        invalid("num_kv_heads must be positive and divide num_qo_heads, got num_kv_heads=" +
-                std::to_string(a.num_kv_heads) + ", num_qo_heads=" + std::to_string(a.remap.num_qo_heads));
-    if (a.head_dim != 64 && a.head_dim != 128)
-        invalid("head_dim must be 64 or 128, got " + std::to_string(a.head_dim));
+    if (a.remap.head_dim != 64 && a.remap.head_dim != 128)
+        invalid("head_dim must be 64 or 128, got " + std::to_string(a.remap.head_dim));
     if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
         invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
                 std::to_string(static_cast<int>(a.dtype)));
@@ -240,15 +237,15 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
             invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
                     std::to_string(device));
         const cosa_plan_args& a = plan->args;
-        const int32_t hq = p.num_qo_heads, d = a.head_dim, page_size = a.remap.page_size,
+        const int32_t hq = p.num_qo_heads, d = a.remap.head_dim, page_size = a.remap.page_size,
                       nq = static_cast<int32_t>(p.num_qtiles());
         const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(a.remap.num_pages);
         int32_t* w = plan->words;
         Launch l{};
         l.q = {const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
-        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.num_kv_heads, d},
+        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.remap.num_kv_heads, d},
                {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
-        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.num_kv_heads, d},
+        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.remap.num_kv_heads, d},
                {args->v_strides[0], args->v_strides[1], args->v_strides[2]}};
         l.o = {args->o, {total_q, hq, d}, {args->o_strides[0], args->o_strides[1]}};
         l.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
@@ -266,10 +263,10 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         l.sm_scale = static_cast<float>(a.sm_scale);
         l.log_delta = a.delta > 0 ? static_cast<float>(std::log(a.delta)) : -std::numeric_limits<float>::infinity();
         l.page_shift = static_cast<int32_t>(std::log2(page_size));
-        l.group = hq / a.num_kv_heads;
+        l.group = hq / a.remap.num_kv_heads;
         l.causal = a.remap.causal ? 1 : 0;
         l.num_tiles = static_cast<int32_t>(p.num_tiles());
-        const int32_t ret = launch(a.dtype, a.head_dim, l, static_cast<cudaStream_t>(stream));
+        const int32_t ret = launch(a.dtype, a.remap.head_dim, l, static_cast<cudaStream_t>(stream));
         if (ret != 0) throw cosa::CudaError("OSK kernel launch failed with code " + std::to_string(ret));
 #else
         (void)stream;

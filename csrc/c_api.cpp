@@ -14,6 +14,8 @@ Plan build_plan(const cosa_remap_args& args) {
     plan_args.num_pages = args.num_pages;
     plan_args.page_size = args.page_size;
     plan_args.num_qo_heads = args.num_qo_heads;
+    plan_args.num_kv_heads = args.num_kv_heads;
+    plan_args.head_dim = args.head_dim;
     plan_args.causal = args.causal;
     plan_args.budget = args.budget;
     plan_args.force_local = args.force_local;

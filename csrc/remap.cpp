@@ -15,6 +15,8 @@ namespace {
 constexpr int64_t kBlock = COSA_BLOCK_SIZE;
 // Plan values are int32 and kernels index plan arrays with int32.
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+// Far above any model's; keeps the tile order's byte counts well inside int64.
+constexpr int64_t kMaxHeadDim = int64_t{1} << 16;
 
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
@@ -53,6 +55,13 @@ void check_scalars(const PlanArgs& args) {
     }
     if (args.num_qo_heads < 1 || args.num_qo_heads > kInt32Max) {
         fail("num_qo_heads must be in [1, ", kInt32Max, "], got ", args.num_qo_heads);
+    }
+    if (args.num_kv_heads < 1 || args.num_qo_heads % args.num_kv_heads != 0) {
+        fail("num_kv_heads must be positive and divide num_qo_heads=", args.num_qo_heads, ", got ",
+             args.num_kv_heads);
+    }
+    if (args.head_dim < 1 || args.head_dim > kMaxHeadDim) {
+        fail("head_dim must be in [1, ", kMaxHeadDim, "], got ", args.head_dim);
     }
     if (args.num_pages < 0) fail("num_pages must be >= 0, got ", args.num_pages);
     if (!(args.budget > 0.0 && args.budget <= 1.0)) {  // also rejects NaN
@@ -196,9 +205,18 @@ int32_t num_selected(const Plan& plan, int64_t qtile) {
     return plan.qtiles[static_cast<size_t>(qtile * COSA_QT_COLUMNS + COSA_QT_NUM_SELECTED)];
 }
 
-// (qtile, head) work items, longest first: persistent CTAs take them in this
-// order, so the long tiles do not all land at the end.
-void build_tile_order(Plan& plan) {
+// K and V that one group of kv heads may keep in L2: a third of Hopper's 50 MB, which
+// is two partitions and also streams Q and O. Measured on an H200 (bench/NOTES.md, v1.6):
+// 16 MiB groups beat 32 MiB ones by up to 14% at 8K and 16K keys, lose up to 7% at 32K.
+constexpr int64_t kKvL2Bytes = int64_t{16} << 20;
+
+// The (qtile, head) work items in launch order. CTAs run the first ~#SMs items
+// together and take the next as they finish, so two rules apply. The kv heads
+// go in groups whose K and V (2-byte elements, all requests) fit kKvL2Bytes:
+// the tiles that run together then read the same keys, mostly from L2, instead
+// of all kv heads streaming from memory. Within a group the longest tiles go
+// first, so that the long tiles do not all land at the end.
+void build_tile_order(Plan& plan, const PlanArgs& args) {
     const int64_t num_tiles = plan.num_tiles();  // < 2^24 qtiles * 2^31 heads
     // The first test bounds num_tiles, so that the product cannot overflow.
     if (2 * num_tiles > kInt32Max || num_tiles * plan.k_max > kInt32Max) {
@@ -212,11 +230,18 @@ void build_tile_order(Plan& plan) {
     std::stable_sort(qtiles_by_length.begin(), qtiles_by_length.end(), [&](int32_t a, int32_t b) {
         return num_selected(plan, a) > num_selected(plan, b);
     });
+    const int64_t kv_head_bytes = plan.num_kv_blocks() * kBlock * args.head_dim * 2 * 2;  // K, V; 2 bytes
+    const int64_t kv_heads_per_group =
+        std::clamp<int64_t>(kKvL2Bytes / std::max<int64_t>(kv_head_bytes, 1), 1, args.num_kv_heads);
+    const int64_t heads_per_group = kv_heads_per_group * (args.num_qo_heads / args.num_kv_heads);
     plan.tile_order.reserve(static_cast<size_t>(2 * num_tiles));
-    for (int32_t qtile : qtiles_by_length) {
-        for (int32_t head = 0; head < plan.num_qo_heads; ++head) {
-            plan.tile_order.push_back(qtile);
-            plan.tile_order.push_back(head);
+    for (int64_t first = 0; first < plan.num_qo_heads; first += heads_per_group) {
+        const int64_t last = std::min<int64_t>(first + heads_per_group, plan.num_qo_heads);
+        for (int32_t qtile : qtiles_by_length) {
+            for (int64_t head = first; head < last; ++head) {
+                plan.tile_order.push_back(qtile);
+                plan.tile_order.push_back(static_cast<int32_t>(head));
+            }
         }
     }
 }
@@ -272,7 +297,7 @@ Plan build_plan(const PlanArgs& args) {
     check_page_table(args, plan);
     build_block_table(args, plan);
     build_qtiles(args, plan);
-    build_tile_order(plan);
+    build_tile_order(plan, args);
     return plan;
 }
 

@@ -28,6 +28,8 @@ struct PlanArgs {
     int64_t num_pages = 0;
     int64_t page_size = 0;
     int64_t num_qo_heads = 0;
+    int64_t num_kv_heads = 0;
+    int64_t head_dim = 0;
     bool causal = true;
     double budget = 1.0;
     bool force_local = true;

@@ -134,7 +134,7 @@ def test_page_index_beyond_the_cache_is_caught_in_run(batch):
 
 def test_scalar_checks(batch):
     args = plan_args(batch)
-    with expect(ValueError, "num_qo_heads"):
+    with expect(ValueError, "num_kv_heads must be positive and divide num_qo_heads=6"):
         cosa.plan(*args[:4], 6, 4, D, PAGE)
     with expect(ValueError, "num_kv_heads"):
         cosa.plan(*args[:4], 4, 0, D, PAGE)

@@ -15,12 +15,13 @@ BLOCK = 128
 PAGE_SIZES = (16, 32, 64, 128, 256)
 TABLE_ARGS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
 ARRAYS = ("qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order")
+KV_L2_BYTES = 16 << 20  # the K and V the tile order lets one group of kv heads keep in L2
 
 
 # ---------------------------------------------------------------- the model
 
 def model_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size, num_qo_heads,
-               causal, budget, force_local, force_sink, **_):
+               num_kv_heads, head_dim, causal, budget, force_local, force_sink, **_):
     """The plan tables, computed the way docs/design.md states them."""
     qo_indptr, kv_indptr, kv_indices, kv_last_page_len = (
         [int(x) for x in array] for array in (qo_indptr, kv_indptr, kv_indices, kv_last_page_len))
@@ -76,8 +77,13 @@ def model_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size,
             qtiles.append([r, i, qo_indptr[r] + first_row, last_row - first_row + 1, candidates,
                            local_first, local_last, selected])
 
+    # kv heads in groups whose K and V (2-byte elements) fit KV_L2_BYTES; in each, longest tiles first
+    kv_head_bytes = sum(num_blocks) * BLOCK * head_dim * 2 * 2
+    kv_heads_per_group = min(max(KV_L2_BYTES // max(kv_head_bytes, 1), 1), num_kv_heads)
+    heads_per_group = kv_heads_per_group * (num_qo_heads // num_kv_heads)
     work = [(qtile, head) for qtile in range(len(qtiles)) for head in range(num_qo_heads)]
-    tile_order = sorted(work, key=lambda item: (-qtiles[item[0]][7], item[0], item[1]))
+    tile_order = sorted(work, key=lambda item: (item[1] // heads_per_group, -qtiles[item[0]][7],
+                                                item[0], item[1]))
 
     def table(rows, columns):
         return np.array(rows, dtype=np.int32).reshape(-1, columns)
@@ -140,6 +146,7 @@ def batches(draw):
     total_pages = sum(num_pages) + draw(st.integers(0, 3))  # pages the batch does not use
     page_ids = draw(st.permutations(range(total_pages)))
     junk = draw(st.lists(st.integers(-5, 10**6), max_size=3))  # past kv_indptr[-1]: ignored
+    num_kv_heads = draw(st.integers(1, 3))
     return {
         "qo_indptr": np.cumsum([0] + q_lens).astype(np.int32),
         "kv_indptr": np.cumsum([0] + num_pages).astype(np.int32),
@@ -148,7 +155,10 @@ def batches(draw):
             [kv - page_size * (n - 1) if n else 0 for kv, n in zip(kv_lens, num_pages)], dtype=np.int32),
         "num_pages": total_pages,
         "page_size": page_size,
-        "num_qo_heads": draw(st.integers(1, 3)),
+        "num_qo_heads": num_kv_heads * draw(st.integers(1, 3)),
+        "num_kv_heads": num_kv_heads,
+        # the large ones put as few as one kv head's K and V in each L2 group of the tile order
+        "head_dim": draw(st.sampled_from([64, 128, 2**12, 2**16])),
         "causal": causal,
         "budget": draw(budgets),
         "force_local": draw(st.booleans()),
@@ -212,11 +222,23 @@ def test_budget_epsilon_keeps_exact_products_exact():
 
 
 def test_empty_batch():
-    plan = _C.build_plan([0], [0], [], [], num_pages=0, page_size=16, num_qo_heads=4, causal=True,
-                         budget=0.5, force_local=True, force_sink=True)
+    plan = _C.build_plan([0], [0], [], [], num_pages=0, page_size=16, num_qo_heads=4, num_kv_heads=2,
+                         head_dim=64, causal=True, budget=0.5, force_local=True, force_sink=True)
     assert plan["k_max"] == 0
     assert [plan[name].shape for name in ARRAYS] == [(0,), (0,), (1,), (0, 8), (0, 8), (0, 2)]
     assert _C.resolve_order(plan, np.zeros((0, 4, 0), np.int32)).shape == (0, 4, 0, 8)
+
+
+def test_tile_order_groups_kv_heads_to_fit_l2():
+    # 4 requests of 512 keys: one kv head's K and V is 2048 keys * head_dim * 4 bytes.
+    case = valid_case(qo_indptr=[0, 512, 1024, 1536, 2048], kv_indptr=[0, 4, 8, 12, 16],
+                      kv_indices=list(range(16)), kv_last_page_len=[128] * 4, num_pages=16,
+                      page_size=128, num_qo_heads=8, num_kv_heads=4)
+    for head_dim, heads_per_group in ((64, 8), (1024, 4), (2048, 2), (2**16, 2)):
+        heads = build(dict(case, head_dim=head_dim))["tile_order"][:, 1]
+        # every query head of a group is scheduled before any head of the next group
+        group_of = heads // heads_per_group
+        assert (np.diff(group_of) >= 0).all() and len(set(group_of)) == 8 // heads_per_group, head_dim
 
 
 def test_tables_are_writable_contiguous_arrays():  # what torch.from_numpy wants
@@ -246,7 +268,8 @@ def valid_case(**changes):
         "kv_indptr": [0, 8, 24, 24],
         "kv_indices": list(range(24)),
         "kv_last_page_len": [16, 16, 0],
-        "num_pages": 24, "page_size": 16, "num_qo_heads": 2, "causal": True, "budget": 0.5,
+        "num_pages": 24, "page_size": 16, "num_qo_heads": 2, "num_kv_heads": 1, "head_dim": 64,
+        "causal": True, "budget": 0.5,
         "force_local": True, "force_sink": True,
     }
     case.update(changes)
@@ -283,6 +306,11 @@ BAD_PLAN_ARGS = {
     "num_qo_heads zero": (dict(num_qo_heads=0), "num_qo_heads must be in [1, 2147483647], got 0"),
     "num_qo_heads huge": (dict(num_qo_heads=2**40), "num_qo_heads must be in [1, 2147483647]"),
     "num_qo_heads overflow": (dict(num_qo_heads=2**31 - 1), "num_qo_heads=2147483647 with 3 query tiles"),
+    "num_kv_heads zero": (dict(num_kv_heads=0), "num_kv_heads must be positive and divide num_qo_heads=2, got 0"),
+    "num_kv_heads not dividing": (dict(num_qo_heads=6, num_kv_heads=4),
+                                  "num_kv_heads must be positive and divide num_qo_heads=6, got 4"),
+    "head_dim zero": (dict(head_dim=0), "head_dim must be in [1, 65536], got 0"),
+    "head_dim huge": (dict(head_dim=2**17), "head_dim must be in [1, 65536], got 131072"),
     "num_pages negative": (dict(num_pages=-1), "num_pages must be >= 0, got -1"),
     "budget zero": (dict(budget=0.0), "budget must be in (0, 1], got 0"),
     "budget negative": (dict(budget=-0.5), "budget must be in (0, 1], got -0.5"),
@@ -302,8 +330,8 @@ def test_kv_len_beyond_int32_is_rejected():
     pages = 2**31 // 256 + 1  # 256-row pages: kv_len = 2**31 + 256
     with pytest.raises(ValueError, match=r"^kv_indptr: request 0 has 8388609 pages, so kv_len=2147483904 exceeds"):
         _C.build_plan([0, 0], [0, pages], np.zeros(pages, np.int32), [256], num_pages=1,
-                      page_size=256, num_qo_heads=1, causal=True, budget=1.0, force_local=True,
-                      force_sink=True)
+                      page_size=256, num_qo_heads=1, num_kv_heads=1, head_dim=64, causal=True,
+                      budget=1.0, force_local=True, force_sink=True)
 
 
 BAD_DTYPES = {

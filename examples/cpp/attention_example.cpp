@@ -82,10 +82,8 @@ int main(int argc, char** argv) {
 
     cosa_plan_args args{};
     args.remap = {qo_indptr.data(), batch + 1, kv_indptr.data(), batch + 1, kv_indices.data(),
-                  num_pages, last_page_len.data(), batch, num_pages, kPageSize, kHq,
+                  num_pages, last_page_len.data(), batch, num_pages, kPageSize, kHq, kHkv, kD,
                   /*causal=*/true, /*budget=*/1.0, /*force_local=*/true, /*force_sink=*/true};
-    args.num_kv_heads = kHkv;
-    args.head_dim = kD;
     args.dtype = COSA_DTYPE_BFLOAT16;
     args.sm_scale = 1.0 / std::sqrt(static_cast<double>(kD));
     args.delta = 0.0;  // stage 2 off: every selected block is computed, so dense is the reference

@@ -183,9 +183,7 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
     check_kv_layout(kv_layout)
     check_proxy(proxy)
     _check_positive_int("num_qo_heads", num_qo_heads)
-    _check_positive_int("num_kv_heads", num_kv_heads)
-    if num_qo_heads % num_kv_heads:
-        raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_positive_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     _check_positive_int("page_size", page_size)
@@ -232,7 +230,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     # Page ids are checked against the cache in run; the plan does not see it.
     tables = _C.build_plan(host["qo_indptr"], host["kv_indptr"], host["kv_indices"],
                            host["kv_last_page_len"], num_pages=2**31 - 1, page_size=page_size,
-                           num_qo_heads=num_qo_heads, causal=bool(causal), budget=float(budget),
+                           num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           causal=bool(causal), budget=float(budget),
                            force_local=bool(force_local), force_sink=bool(force_sink))
     used_pages = host["kv_indices"][:host["kv_indptr"][-1]]
     qtiles = tables["qtiles"]

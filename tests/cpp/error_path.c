@@ -24,6 +24,8 @@ int check_error_path(void) {
     args.num_pages = 3;
     args.page_size = 16;
     args.num_qo_heads = 1;
+    args.num_kv_heads = 1;
+    args.head_dim = 64;
     args.causal = true;
     args.budget = 1.0;
 

@@ -48,6 +48,8 @@ int main() {
     args.num_pages = 10;
     args.page_size = 64;
     args.num_qo_heads = 2;
+    args.num_kv_heads = 1;
+    args.head_dim = 64;
     args.causal = true;
     args.budget = 0.5;
     args.force_local = true;

@@ -88,7 +88,10 @@ COSA_API const char* cosa_last_error(void);
  * candidate blocks) is in (0, 1]. A request with query rows needs keys, and
  * with causal (bottom-right aligned) q_len <= kv_len.
  * force_local / force_sink count the diagonal block(s) / block 0 as forced:
- * always selected, whatever the budget.
+ * always selected, whatever the budget. num_kv_heads divides num_qo_heads
+ * (query head h reads kv head h / (num_qo_heads / num_kv_heads)); with
+ * head_dim (> 0) it sizes the K and V of one kv head, which the tile order
+ * uses to keep the kv heads that run together within L2.
  */
 typedef struct cosa_remap_args {
     const int32_t* qo_indptr;
@@ -102,6 +105,8 @@ typedef struct cosa_remap_args {
     int64_t num_pages;
     int32_t page_size;
     int32_t num_qo_heads;
+    int32_t num_kv_heads;
+    int32_t head_dim;
     bool causal;
     double budget;
     bool force_local;
@@ -136,7 +141,9 @@ COSA_API cosa_status cosa_remap_plan_info(const cosa_remap_plan* plan, cosa_rema
  *   kv_block_indptr[B+1]   key blocks of request r: rows kv_block_indptr[r]..[r+1]-1
  *   block_pages[num_kv_blocks][pages_per_block]  physical page per slot, -1 past kv_len
  *   qtiles[num_qtiles][COSA_QT_COLUMNS]
- *   tile_order[num_tiles][2]  (qtile, head), most selected blocks first
+ *   tile_order[num_tiles][2]  (qtile, head) in launch order: kv heads in groups
+ *                             whose K and V fit L2, in each group most selected
+ *                             blocks first
  */
 COSA_API const int32_t* cosa_remap_plan_qo_lens(const cosa_remap_plan* plan);
 COSA_API const int32_t* cosa_remap_plan_kv_lens(const cosa_remap_plan* plan);
@@ -177,9 +184,8 @@ typedef enum cosa_dtype {
 } cosa_dtype;
 
 typedef struct cosa_plan_args {
-    cosa_remap_args remap; /* page table and selection, as for cosa_remap_plan_create */
-    int32_t num_kv_heads;  /* divides remap.num_qo_heads */
-    int32_t head_dim;      /* 64 or 128 */
+    cosa_remap_args remap; /* page table, heads and selection, as for cosa_remap_plan_create;
+                              remap.head_dim 64 or 128 */
     cosa_dtype dtype;      /* of q, the cache and o */
     double sm_scale;       /* logit scale, > 0 (usually 1/sqrt(head_dim)) */
     double delta;          /* stage-2 skip threshold, >= 0; 0 computes every selected block */
