@@ -74,8 +74,7 @@ py::array_t<int32_t> to_numpy(std::vector<int32_t>&& values, std::vector<py::ssi
 py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_indices,
                     py::handle kv_last_page_len, int64_t num_pages, int64_t page_size,
                     int64_t num_qo_heads, int64_t num_kv_heads, int64_t head_dim, bool causal,
-                    double budget, bool force_local,
-                    bool force_sink) {
+                    double budget, bool force_local, bool force_sink) {
     const Int32Array qo = int32_array(qo_indptr, "qo_indptr", 1);
     const Int32Array kv = int32_array(kv_indptr, "kv_indptr", 1);
     const Int32Array indices = int32_array(kv_indices, "kv_indices", 1);
@@ -187,8 +186,7 @@ PYBIND11_MODULE(_C, m) {
     m.def("build_plan", &build_plan, py::arg("qo_indptr"), py::arg("kv_indptr"),
           py::arg("kv_indices"), py::arg("kv_last_page_len"), py::kw_only(), py::arg("num_pages"),
           py::arg("page_size"), py::arg("num_qo_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-          py::arg("causal"), py::arg("budget"),
-          py::arg("force_local"), py::arg("force_sink"),
+          py::arg("causal"), py::arg("budget"), py::arg("force_local"), py::arg("force_sink"),
           R"doc(Validate a paged-KV batch and build its plan tables (docs/design.md, "Plan tensors").
 
 The four arrays are 1-D integer arrays (int32 is used without a copy). Returns a

@@ -206,7 +206,7 @@ int32_t num_selected(const Plan& plan, int64_t qtile) {
 }
 
 // K and V that one group of kv heads may keep in L2: a third of Hopper's 50 MB, which
-// is two partitions and also streams Q and O. Measured on an H200 (bench/NOTES.md, v1.6):
+// is two partitions and also streams Q and O. Measured on an H200 (bench/NOTES.md, session 4):
 // 16 MiB groups beat 32 MiB ones by up to 14% at 8K and 16K keys, lose up to 7% at 32K.
 constexpr int64_t kKvL2Bytes = int64_t{16} << 20;
 

@@ -90,7 +90,7 @@ COSA_API const char* cosa_last_error(void);
  * force_local / force_sink count the diagonal block(s) / block 0 as forced:
  * always selected, whatever the budget. num_kv_heads divides num_qo_heads
  * (query head h reads kv head h / (num_qo_heads / num_kv_heads)); with
- * head_dim (> 0) it sizes the K and V of one kv head, which the tile order
+ * head_dim (1..65536) it sizes the K and V of one kv head, which the tile order
  * uses to keep the kv heads that run together within L2.
  */
 typedef struct cosa_remap_args {
