@@ -309,15 +309,27 @@ class OSKForward:
         return pages
 
     @cute.jit
-    def _tma_block(self, tma_block, g_block, tma_box, g_box, sX, mbar, stage, pages, jstart: Int32,
-                   page_shift: Int32, page_mask: Int32):
-        """Issue the TMA loads of one logical key block (pages from ``_block_pages``) into
-        stage ``stage``: one TILE_N-row box when a page holds whole blocks, else TILE_N / BOX
-        boxes of BOX rows."""
+    def _box_views(self, tma_block, tma_box, m_block, m_box, kv_head):
+        """Prefetch K's or V's TMA descriptors; return the kv head's source tiles, (TILE_N,
+        D) of (block in page, page) and (BOX, D) of (box in page, page)."""
+        cpasync.prefetch_descriptor(tma_block)
+        cpasync.prefetch_descriptor(tma_box)
+        g_block = cute.local_tile(m_block[None, None, kv_head, None], (TILE_N, self.head_dim), (None, 0, None))
+        g_box = cute.local_tile(m_box[None, None, kv_head, None], (BOX, self.head_dim), (None, 0, None))
+        return g_block, g_box
+
+    @cute.jit
+    def _load_block(self, pipe, state, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32,
+                    page_shift: Int32, page_mask: Int32):
+        """Acquire the ring slot of ``state`` and issue the TMA loads of one logical key block
+        (pages from ``_block_pages``) into it: one TILE_N-row box when a page holds whole
+        blocks, else TILE_N / BOX boxes of BOX rows."""
+        pipe.producer_acquire(state)
+        mbar = pipe.producer_get_barrier(state)
         if page_shift >= BLOCK_SHIFT:
             tS, tG = cpasync.tma_partition(
                 tma_block, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g_block, 0, 2))
-            cute.copy(tma_block, tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]], tS[None, stage],
+            cute.copy(tma_block, tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]], tS[None, state.index],
                       tma_bar_ptr=mbar)
         else:
             for i in cutlass.range_constexpr(TILE_N // BOX):
@@ -325,7 +337,8 @@ class OSKForward:
                 s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
                 tS, tG = cpasync.tma_partition(
                     tma_box, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2), cute.group_modes(g_box, 0, 2))
-                cute.copy(tma_box, tG[None, (g & page_mask) // BOX, pages[i]], tS[None, stage], tma_bar_ptr=mbar)
+                cute.copy(tma_box, tG[None, (g & page_mask) // BOX, pages[i]], tS[None, state.index],
+                          tma_bar_ptr=mbar)
 
     @cute.jit
     def _wait_v(self, pipe_v, st, tiled_copy_o, sV, ctid, valid_rows):
@@ -561,29 +574,20 @@ class OSKForward:
             page_mask = (Int32(1) << page_shift) - 1
             if warp_idx == 0:
                 # K of every block in the tile's order
-                cpasync.prefetch_descriptor(tma_atom_K_block)
-                cpasync.prefetch_descriptor(tma_atom_K_box)
-                # per box: source (rows, D) tile of (box in page, page); dest a stage
-                gK_block = cute.local_tile(mK_block[None, None, kv_head, None], (TILE_N, D), (None, 0, None))
-                gK_box = cute.local_tile(mK_box[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                gK_block, gK_box = self._box_views(tma_atom_K_block, tma_atom_K_box, mK_block, mK_box, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
                     j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
-                    pipe_k.producer_acquire(k_state)
-                    self._tma_block(tma_atom_K_block, gK_block, tma_atom_K_box, gK_box, sK,
-                                    pipe_k.producer_get_barrier(k_state), k_state.index, pages, j * TILE_N,
-                                    page_shift, page_mask)
+                    self._load_block(pipe_k, k_state, tma_atom_K_block, gK_block, tma_atom_K_box, gK_box, sK,
+                                     pages, j * TILE_N, page_shift, page_mask)
                     k_state.advance()
             elif warp_idx == 1:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
-                cpasync.prefetch_descriptor(tma_atom_V_block)
-                cpasync.prefetch_descriptor(tma_atom_V_box)
-                gV_block = cute.local_tile(mV_block[None, None, kv_head, None], (TILE_N, D), (None, 0, None))
-                gV_box = cute.local_tile(mV_box[None, None, kv_head, None], (BOX, D), (None, 0, None))
+                gV_block, gV_box = self._box_views(tma_atom_V_block, tma_atom_V_box, mV_block, mV_box, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
@@ -598,10 +602,8 @@ class OSKForward:
                         pipe_decision.consumer_release(d_state)
                         d_state.advance()
                     if needed:
-                        pipe_v.producer_acquire(v_state)
-                        self._tma_block(tma_atom_V_block, gV_block, tma_atom_V_box, gV_box, sV,
-                                        pipe_v.producer_get_barrier(v_state), v_state.index, pages,
-                                        j * TILE_N, page_shift, page_mask)
+                        self._load_block(pipe_v, v_state, tma_atom_V_block, gV_block, tma_atom_V_box, gV_box,
+                                         sV, pages, j * TILE_N, page_shift, page_mask)
                         v_state.advance()
             cute.arch.cp_async_wait_group(0)
         else:
