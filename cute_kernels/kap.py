@@ -19,14 +19,19 @@ qbar, kbar, order, *, kv_layout="NHD") -> None``
 
 Kernels
 -------
-``KAPPool``, one CTA of 128 threads per (query tile, query head) and per (key block,
-kv head): the mean of the block's valid rows, summed in fp32 from 16-byte loads (a row
-of the block per ``head_dim / 8`` threads), written to ``qbar`` / ``kbar``.  Key rows
-are read straight from the paged cache through ``block_pages``, as OSK reads them.
+Two launches; the second overlaps the first (programmatic dependent launch), because
+half of its input does not depend on it:
+
+``KAPPool``, one CTA of 128 threads per (key block, kv head): the mean of the block's
+valid rows, read straight from the paged cache through ``block_pages`` as OSK reads
+them, written to ``kbar``.  Each CTA first lets ``KAPRank`` launch.
 
 ``KAPRank``, one CTA of 256 threads per (query tile, kv head) for the query heads of
 that kv head, so that each ``kbar`` row is read from L2 once per group:
 
+- the means of the tile's rows of q for each of those heads, written to ``qbar``; they
+  need only q, so they are computed while ``KAPPool`` still runs -- q is most of the
+  bytes the proxy reads -- and only then does the CTA wait for ``KAPPool``'s grid;
 - scores: 8 lanes per key block j < n (n = the tile's candidates) each dot a slice of
   ``qbar[h]`` with ``kbar[j]`` and reduce by shuffles; the score becomes the ranking
   key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << BLOCK_BITS``, in
@@ -39,15 +44,18 @@ that kv head, so that each ``kbar`` row is read from L2 once per group:
   (``_slot``) so that every round is free of bank conflicts;
 - ``order[tile, h, :num_selected]`` = block index of the first keys, -1 after.
 
-Limit: the keys of one pass fill at most ``MAX_KEY_BLOCKS`` int64 slots (64 KB of
-shared memory, three CTAs per SM), so a request may have at most ``MAX_KEY_BLOCKS``
-key blocks (1M tokens); the heads of a group are ranked in passes of
+A block mean (``BlockMean``) is summed in fp32 from 16-byte loads, a row per
+``head_dim / 8`` threads, the row groups' partial sums added up in shared memory.
+
+Limit: the keys of one pass fill at most ``MAX_KEY_BLOCKS`` int64 slots (32 KB of
+shared memory; with the rest, 44 KB a CTA, so that five fit an SM and a whole 8K-token
+batch of tiles is resident at once), so a request may have at most ``MAX_KEY_BLOCKS``
+key blocks (512K tokens); the heads of a group are ranked in passes of
 ``min(group, 8, MAX_KEY_BLOCKS / width)`` heads.  ``cosa.plan`` uses the torch path
 for longer requests.
 
-Compile-time specialisation: ``KAPPool`` per (dtype, head_dim), ``KAPRank`` per
-head_dim; everything else is runtime.  Compiled from fake tensors on first use and
-cached in-process, like OSK.
+Compile-time specialisation: both kernels per (dtype, head_dim); everything else is
+runtime.  Compiled from fake tensors on first use and cached in-process, like OSK.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 __all__ = ["supported", "kap_order", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
 
 BLOCK = _C.BLOCK_SIZE
-MAX_KEY_BLOCKS = 8192          # int64 key slots in KAPRank's shared memory
+MAX_KEY_BLOCKS = 4096          # int64 key slots in KAPRank's shared memory
 POOL_THREADS = 128
 VEC = 8                        # fp16/bf16 elements per 16-byte load
 RANK_THREADS = 256
@@ -87,80 +95,36 @@ def supported(head_dim: int, dtype, num_key_blocks: int) -> bool:
     return _osk_supported(head_dim, dtype) and num_key_blocks <= MAX_KEY_BLOCKS
 
 
-class KAPPool:
-    """Means of the valid rows of 128-row blocks: query tiles -> qbar, key blocks -> kbar."""
+class BlockMean:
+    """The mean of the first ``num_rows`` rows of a 128-row block with ``threads`` threads:
+    each thread sums VEC columns of ``sweeps`` rows, a row per ``head_dim / VEC`` threads;
+    the row groups' partial sums are added up in shared memory."""
 
-    def __init__(self, dtype, head_dim: int):
+    def __init__(self, dtype, head_dim: int, threads: int):
         self.dtype = dtype
         self.head_dim = head_dim
-        self.row_threads = head_dim // VEC               # threads covering one row
-        self.row_step = POOL_THREADS // self.row_threads  # rows one pass of the CTA covers
+        self.row_threads = head_dim // VEC            # threads covering one row
+        self.row_step = threads // self.row_threads   # rows one sweep of the CTA covers
         self.sweeps = BLOCK // self.row_step
 
-    @cute.jit
-    def __call__(self, mQ: cute.Tensor, mK: cute.Tensor, mBlockPages: cute.Tensor,
-                 mKvBlockIndptr: cute.Tensor, mKvLens: cute.Tensor, mQtiles: cute.Tensor,
-                 mQbar: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32, stream: cuda.CUstream):
-        num_q_items = mQbar.shape[0] * mQbar.shape[1]
-        num_items = num_q_items + mKbar.shape[0] * mKbar.shape[1]
-        self.kernel(mQ, mK, mBlockPages, mKvBlockIndptr, mKvLens, mQtiles, mQbar, mKbar,
-                    page_shift, num_q_items).launch(
-            grid=[num_items, 1, 1], block=[POOL_THREADS, 1, 1], stream=stream)
+    def partial_layout(self):
+        return cute.make_layout((self.head_dim, self.row_step))
 
-    @cute.kernel
-    def kernel(self, mQ: cute.Tensor, mK: cute.Tensor, mBlockPages: cute.Tensor,
-               mKvBlockIndptr: cute.Tensor, mKvLens: cute.Tensor, mQtiles: cute.Tensor,
-               mQbar: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32, num_q_items: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bid, _, _ = cute.arch.block_idx()
-        smem = cutlass.memory.SmemAllocator()
-        partial = smem.allocate_tensor(Float32, cute.make_layout((self.head_dim, self.row_step)),
-                                       byte_alignment=16)
+    @cute.jit
+    def rows(self, tidx, num_rows):
+        """Block rows this thread reads, one per sweep.  Rows past the block's end are
+        clamped to its last row: every load is in bounds and issued unconditionally, and
+        ``__call__`` leaves them out of the sum."""
         first_row = tidx // self.row_threads
-        # Rows past the block's end are clamped to its last row: every load is in bounds and
-        # issued unconditionally, and _mean leaves them out of the sum.
-        row_offset = cute.make_rmem_tensor((self.sweeps,), Int64)
-        if bid < num_q_items:
-            tile = bid // mQbar.shape[1]
-            head = bid % mQbar.shape[1]
-            row_start = mQtiles[tile, _C.QT_ROW_START]
-            num_rows = mQtiles[tile, _C.QT_ROWS]
-            for m in cutlass.range_constexpr(self.sweeps):
-                row = row_start + cutlass.min(first_row + m * self.row_step, num_rows - 1)
-                row_offset[m] = Int64(row) * mQ.stride[0] + Int64(head) * mQ.stride[1]
-            self._mean(mQ, row_offset, num_rows, partial, mQbar[tile, head, None])
-        else:
-            block = (bid - num_q_items) // mKbar.shape[1]
-            kv_head = (bid - num_q_items) % mKbar.shape[1]
-            request = self._request_of(mKvBlockIndptr, mKvLens.shape[0], block)
-            first_key = (block - mKvBlockIndptr[request]) * BLOCK
-            num_rows = cutlass.min(BLOCK, mKvLens[request] - first_key)
-            page_mask = (Int32(1) << page_shift) - 1
-            for m in cutlass.range_constexpr(self.sweeps):
-                key = first_key + cutlass.min(first_row + m * self.row_step, num_rows - 1)
-                page = mBlockPages[block, (key >> page_shift) - (first_key >> page_shift)]
-                row_offset[m] = (Int64(page) * mK.stride[0] + Int64(key & page_mask) * mK.stride[1]
-                                 + Int64(kv_head) * mK.stride[2])
-            self._mean(mK, row_offset, num_rows, partial, mKbar[block, kv_head, None])
+        rows = cute.make_rmem_tensor((self.sweeps,), Int32)
+        for m in cutlass.range_constexpr(self.sweeps):
+            rows[m] = cutlass.min(first_row + m * self.row_step, num_rows - 1)
+        return rows
 
     @cute.jit
-    def _request_of(self, mKvBlockIndptr, num_requests, block):
-        """The request whose key blocks hold ``block``: the last r with indptr[r] <= block."""
-        lo = Int32(0)
-        hi = num_requests
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if mKvBlockIndptr[mid] <= block:
-                lo = mid
-            else:
-                hi = mid
-        return lo
-
-    @cute.jit
-    def _mean(self, mX, row_offset, num_rows, partial, dst):
-        """``dst[:] =`` the mean of the block's first ``num_rows`` rows, sweep ``m``'s row at
-        ``mX.iterator + row_offset[m]``: each thread sums VEC columns of its rows, the
-        ``partial`` sums of the row groups are added up in shared memory."""
+    def __call__(self, mX, row_offset, num_rows, partial):
+        """The mean's column ``tidx`` (in threads ``tidx < head_dim``), sweep ``m``'s row at
+        ``mX.iterator + row_offset[m]``."""
         tidx, _, _ = cute.arch.thread_idx()
         first_row = tidx // self.row_threads
         column = (tidx % self.row_threads) * VEC
@@ -176,37 +140,91 @@ class KAPPool:
                 total.store(total.load() + rows[None, m].load().to(Float32))
         cute.autovec_copy(total, cute.local_tile(partial[None, first_row], (VEC,), (column // VEC,)))
         cute.arch.barrier()
+        column_sum = Float32(0.0)
         if tidx < self.head_dim:
-            column_sum = partial[tidx, 0]
-            for r in cutlass.range_constexpr(1, self.row_step):
+            for r in cutlass.range_constexpr(self.row_step):
                 column_sum = column_sum + partial[tidx, r]
-            dst[tidx] = column_sum / Float32(num_rows)
+        return column_sum / Float32(num_rows)
+
+
+class KAPPool:
+    """Means of the valid rows of the key blocks -> kbar."""
+
+    def __init__(self, dtype, head_dim: int):
+        self.mean = BlockMean(dtype, head_dim, POOL_THREADS)
+
+    @cute.jit
+    def __call__(self, mK: cute.Tensor, mBlockPages: cute.Tensor, mKvBlockIndptr: cute.Tensor,
+                 mKvLens: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32, stream: cuda.CUstream):
+        self.kernel(mK, mBlockPages, mKvBlockIndptr, mKvLens, mKbar, page_shift).launch(
+            grid=[mKbar.shape[0], mKbar.shape[1], 1], block=[POOL_THREADS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mK: cute.Tensor, mBlockPages: cute.Tensor, mKvBlockIndptr: cute.Tensor,
+               mKvLens: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32):
+        # KAPRank may start as soon as every CTA of this grid has: it pools q meanwhile
+        cute.arch.griddepcontrol_launch_dependents()
+        tidx, _, _ = cute.arch.thread_idx()
+        block, kv_head, _ = cute.arch.block_idx()
+        smem = cutlass.memory.SmemAllocator()
+        partial = smem.allocate_tensor(Float32, self.mean.partial_layout(), byte_alignment=16)
+        request = self._request_of(mKvBlockIndptr, mKvLens.shape[0], block)
+        first_key = (block - mKvBlockIndptr[request]) * BLOCK
+        num_rows = cutlass.min(BLOCK, mKvLens[request] - first_key)
+        page_mask = (Int32(1) << page_shift) - 1
+        rows = self.mean.rows(tidx, num_rows)
+        row_offset = cute.make_rmem_tensor((self.mean.sweeps,), Int64)
+        for m in cutlass.range_constexpr(self.mean.sweeps):
+            key = first_key + rows[m]
+            page = mBlockPages[block, (key >> page_shift) - (first_key >> page_shift)]
+            row_offset[m] = (Int64(page) * mK.stride[0] + Int64(key & page_mask) * mK.stride[1]
+                             + Int64(kv_head) * mK.stride[2])
+        mean = self.mean(mK, row_offset, num_rows, partial)
+        if tidx < self.mean.head_dim:
+            mKbar[block, kv_head, tidx] = mean
+
+    @cute.jit
+    def _request_of(self, mKvBlockIndptr, num_requests, block):
+        """The request whose key blocks hold ``block``: the last r with indptr[r] <= block."""
+        lo = Int32(0)
+        hi = num_requests
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if mKvBlockIndptr[mid] <= block:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 class KAPRank:
-    """Scores, ranking keys and the bitonic sort: one CTA per (query tile, kv head)."""
+    """q's tile means, scores, ranking keys and the bitonic sort: one CTA per (query tile,
+    kv head)."""
 
-    def __init__(self, head_dim: int):
+    def __init__(self, dtype, head_dim: int):
         self.head_dim = head_dim
+        self.mean = BlockMean(dtype, head_dim, RANK_THREADS)
         self.lane_chunks = head_dim // (4 * LANES_PER_BLOCK)   # float4 chunks per lane
 
     @cute.jit
-    def __call__(self, mQbar: cute.Tensor, mKbar: cute.Tensor, mRankBase: cute.Tensor,
-                 mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
-                 stream: cuda.CUstream):
+    def __call__(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
+                 mRankBase: cute.Tensor, mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor,
+                 mOrder: cute.Tensor, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
             keys: cute.struct.Align[cute.struct.MemRange[Int64, MAX_KEY_BLOCKS], 16]
             qbar: cute.struct.Align[cute.struct.MemRange[Float32, MAX_PASS_HEADS * self.head_dim], 16]
+            partial: cute.struct.Align[
+                cute.struct.MemRange[Float32, cute.cosize(self.mean.partial_layout())], 16]
 
-        self.kernel(mQbar, mKbar, mRankBase, mQtiles, mKvBlockIndptr, mOrder, SharedStorage).launch(
+        self.kernel(mQ, mQbar, mKbar, mRankBase, mQtiles, mKvBlockIndptr, mOrder, SharedStorage).launch(
             grid=[mQtiles.shape[0], mKbar.shape[1], 1], block=[RANK_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream)
+            smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=True)
 
     @cute.kernel
-    def kernel(self, mQbar: cute.Tensor, mKbar: cute.Tensor, mRankBase: cute.Tensor,
-               mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
-               SharedStorage: cutlass.Constexpr):
+    def kernel(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
+               mRankBase: cute.Tensor, mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor,
+               mOrder: cute.Tensor, SharedStorage: cutlass.Constexpr):
         D = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         bid_x, kv_head, _ = cute.arch.block_idx()
@@ -222,17 +240,40 @@ class KAPRank:
         storage = smem.allocate(SharedStorage)
         keys = storage.keys.get_tensor(cute.make_layout(MAX_KEY_BLOCKS))
         sQbar = storage.qbar.get_tensor(cute.make_layout((D, MAX_PASS_HEADS)))
+        partial = storage.partial.get_tensor(self.mean.partial_layout())
 
         log_width = cutlass.max(
             SORT_BITS, 32 - Int32(cute.arch.clz(Int32(cutlass.max(num_candidates, 1) - 1))))
         width = Int32(1) << log_width
         pass_heads = cutlass.min(cutlass.min(group, MAX_PASS_HEADS), MAX_KEY_BLOCKS >> log_width)
+
+        # q's means first: they do not depend on KAPPool, which may still be running.  Those
+        # of the first pass's heads go straight to shared memory as well.
+        row_start = mQtiles[tile, _C.QT_ROW_START]
+        num_rows = mQtiles[tile, _C.QT_ROWS]
+        rows = self.mean.rows(tidx, num_rows)
+        row_offset = cute.make_rmem_tensor((self.mean.sweeps,), Int64)
+        for h in cutlass.range(group, unroll=1):
+            head = kv_head * group + h
+            for m in cutlass.range_constexpr(self.mean.sweeps):
+                row_offset[m] = Int64(row_start + rows[m]) * mQ.stride[0] + Int64(head) * mQ.stride[1]
+            cute.arch.barrier()  # the previous head's partial sums have been read
+            mean = self.mean(mQ, row_offset, num_rows, partial)
+            if tidx < D:
+                mQbar[tile, head, tidx] = mean
+                if h < pass_heads:
+                    sQbar[tidx, h] = mean
+        cute.arch.griddepcontrol_wait()  # KAPPool's kbar is complete and visible
+
         for head0 in cutlass.range(0, group, pass_heads, unroll=1):
             heads = cutlass.min(pass_heads, group - head0)
             first_head = kv_head * group + head0
-            cute.arch.barrier()  # the previous pass has read its keys and qbar rows
-            for i in cutlass.range(tidx, heads * D, RANK_THREADS, unroll=1):
-                sQbar[i % D, i // D] = mQbar[tile, first_head + i // D, i % D]
+            # the first pass: its q means are in shared memory; a later one: the previous
+            # pass has read its keys and qbar rows
+            cute.arch.barrier()
+            if head0 > 0:
+                for i in cutlass.range(tidx, heads * D, RANK_THREADS, unroll=1):
+                    sQbar[i % D, i // D] = mQbar[tile, first_head + i // D, i % D]
             for i in cutlass.range(tidx, heads * width, RANK_THREADS, unroll=1):
                 if (i & (width - 1)) >= num_candidates:
                     keys[_slot(i)] = Int64(INT64_MIN)
@@ -341,14 +382,13 @@ _lock = threading.Lock()
 
 
 def _fake_pool_args(dtype_name: str):
-    dt = _cutlass_dtype(dtype_name)
-    q, k = _fake_tensor(dt, 3, vectorized=True), _fake_tensor(dt, 4, vectorized=True)
-    return (q, k, _fake_tensor(Int32, 2), _fake_tensor(Int32, 1), _fake_tensor(Int32, 1),
-            _fake_tensor(Int32, 2), _fake_means(), _fake_means())
+    k = _fake_tensor(_cutlass_dtype(dtype_name), 4, vectorized=True)
+    return (k, _fake_tensor(Int32, 2), _fake_tensor(Int32, 1), _fake_tensor(Int32, 1), _fake_means())
 
 
-def _fake_rank_args():
-    return (_fake_means(), _fake_means(), _fake_tensor(Int64, 2), _fake_tensor(Int32, 2),
+def _fake_rank_args(dtype_name: str):
+    q = _fake_tensor(_cutlass_dtype(dtype_name), 3, vectorized=True)
+    return (q, _fake_means(), _fake_means(), _fake_tensor(Int64, 2), _fake_tensor(Int32, 2),
             _fake_tensor(Int32, 1), _fake_tensor(Int32, 3))
 
 
@@ -376,8 +416,9 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
     pool = _compiled(("pool", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
         KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name),
         Int32(4), stream(), options=options))
-    rank = _compiled(("rank", head_dim, use_tvm_ffi), lambda: cute.compile(
-        KAPRank(head_dim), *_fake_rank_args(), stream(), options=options))
+    rank = _compiled(("rank", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
+        KAPRank(_cutlass_dtype(dtype_name), head_dim), *_fake_rank_args(dtype_name), stream(),
+        options=options))
     return pool, rank
 
 
@@ -401,8 +442,8 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
         raise ValueError(f"kap_order: page_size must be a power of two, got {page_size}")
     page_shift = page_size.bit_length() - 1
     pool, rank = compile_config(_dtype_name(q.dtype), D)
-    pool_args = (q, k, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar)
-    rank_args = (qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
+    pool_args = (k, block_pages, kv_block_indptr, kv_lens, kbar)
+    rank_args = (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
     if _HAVE_TVM_FFI:
         pool(*pool_args, page_shift)
         rank(*rank_args)

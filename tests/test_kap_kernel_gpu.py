@@ -142,9 +142,9 @@ def test_group_ranked_in_two_passes():
 
 
 def test_widest_sort_one_head_per_pass():
-    # 4100 key blocks: an 8192-wide sort, one head per pass
+    # just over half of MAX_KEY_BLOCKS key blocks: a MAX_KEY_BLOCKS-wide sort, one head per pass
     run_case(dtype=torch.float16, head_dim=64, page_size=128, layout="HND", group=2, num_qo_heads=2,
-             budget=0.1, q_lens=[128], kv_lens=[4100 * 128])
+             budget=0.1, q_lens=[128], kv_lens=[(kap.MAX_KEY_BLOCKS // 2 + 4) * 128])
 
 
 @pytest.mark.parametrize("kv_len,uses_kernel", [(kap.MAX_KEY_BLOCKS * 128, True),

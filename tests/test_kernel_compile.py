@@ -69,13 +69,12 @@ def _runtime_args():
     osk_args = (q, cache[:, 0], cache[:, 1], torch.zeros_like(q), torch.zeros(5, 4, dtype=f32),
                 tables["block_pages"], tables["kv_block_indptr"], tables["qo_lens"], tables["kv_lens"],
                 tables["qtiles"], tables["tile_order"], tables["order"], tables["counts"], tables["counts"])
-    pool_args = (q, cache[:, 0], tables["block_pages"], tables["kv_block_indptr"], tables["kv_lens"],
-                 tables["qtiles"], means, means)
-    rank_args = (means, means, torch.zeros(2, 6, dtype=torch.int64), tables["qtiles"],
+    pool_args = (cache[:, 0], tables["block_pages"], tables["kv_block_indptr"], tables["kv_lens"], means)
+    rank_args = (q, means, means, torch.zeros(2, 6, dtype=torch.int64), tables["qtiles"],
                  tables["kv_block_indptr"], tables["order"])
     return {"osk": (osk._fake_args("bfloat16"), osk_args),
             "kap pool": (kap._fake_pool_args("bfloat16"), pool_args),
-            "kap rank": (kap._fake_rank_args(), rank_args)}
+            "kap rank": (kap._fake_rank_args("bfloat16"), rank_args)}
 
 
 @pytest.mark.parametrize("kernel", ["osk", "kap pool", "kap rank"])
