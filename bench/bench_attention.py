@@ -222,6 +222,24 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
+def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 10) -> float:
+    """GPU time of ``fn`` in ms: ``calls`` calls captured in one CUDA graph, the median replay
+    time (``time_ms``) over ``calls``.  For work shorter than its own launch from Python,
+    which back-to-back eager calls would time instead."""
+    for _ in range(warmup):
+        fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # capture needs a warm-up off the default stream
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay, 1, repeats) / calls
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return ((a - b).norm() / b.norm()).item()
@@ -393,7 +411,12 @@ class Runner:
 
     def proxy(self, seq, paged: Paged, q):
         plan_ = paged.plan(B2_BUDGET, 0.0)
-        return Row(seq, paged.page_size, PROXY, self.time(lambda: cosa.order_mask(plan_, q, paged.cache))), None
+        call = lambda: cosa.order_mask(plan_, q, paged.cache)  # noqa: E731
+        eager = self.time(call)
+        if plan_.rank_kernel is None:  # the torch path: its host loop is part of its time
+            return Row(seq, paged.page_size, PROXY, eager, note="torch path"), None
+        gpu = graph_time_ms(call, self.args.warmup, self.args.repeats)
+        return Row(seq, paged.page_size, PROXY, gpu, note=f"eager call {eager:.3f} ms"), None
 
     def calibrate(self, seqs, paged: Paged, q, origin: str) -> None:
         """The b2 row's delta (stage-2 density B2 at budget B2_BUDGET) on ``q``, for ``seqs``; untimed."""
