@@ -119,13 +119,15 @@ def find(rows: list[Row], seq: int, page: int | None, name: str) -> Row | None:
 def skip_cost_ratio(full: Row, forced: Row, skip_all: Row) -> float | None:
     """Cost of a skipped block over a computed one, from t = o + c*computed + s*skipped fitted
     through three runs of one sequence: all selected blocks computed (delta 0), the forced blocks
-    only, and all but the first visited block skipped. ``o`` absorbs the proxy and fixed costs."""
+    only, and all but the first visited block skipped. ``o`` absorbs the proxy and fixed costs.
+    None where the fit gives no positive costs: fixed costs (per tile, per launch) and noise then
+    outweigh the blocks, as at 8K tokens, and there is no per-block cost to compare."""
     if full.computed == forced.computed or not skip_all.skipped:
         return None
     c = (full.ms - forced.ms) / (full.computed - forced.computed)
     o = full.ms - c * full.computed
     s = (skip_all.ms - o - c * skip_all.computed) / skip_all.skipped
-    return s / c
+    return s / c if c > 0 and s > 0 else None
 
 
 def evaluate_targets(rows: list[Row], page_sizes) -> list[Target]:
