@@ -20,7 +20,7 @@ qbar, kbar, order, *, kv_layout="NHD") -> None``
 Kernels
 -------
 Two launches; the second overlaps the first (programmatic dependent launch), because
-half of its input does not depend on it:
+most of the bytes it reads (q) do not depend on the first:
 
 ``KAPPool``, one CTA of 128 threads per (key block, kv head): the mean of the block's
 valid rows, read straight from the paged cache through ``block_pages`` as OSK reads
@@ -48,11 +48,11 @@ A block mean (``BlockMean``) is summed in fp32 from 16-byte loads, a row per
 ``head_dim / 8`` threads, the row groups' partial sums added up in shared memory.
 
 Limit: the keys of one pass fill at most ``MAX_KEY_BLOCKS`` int64 slots (32 KB of
-shared memory; with the rest, 44 KB a CTA, so that five fit an SM and a whole 8K-token
-batch of tiles is resident at once), so a request may have at most ``MAX_KEY_BLOCKS``
-key blocks (512K tokens); the heads of a group are ranked in passes of
-``min(group, 8, MAX_KEY_BLOCKS / width)`` heads.  ``cosa.plan`` uses the torch path
-for longer requests.
+shared memory; with the rest, 44 KB a CTA, so that with 64 registers a thread four fit
+an SM and an 8K-token batch of tiles is resident at once), so a request may have at most
+``MAX_KEY_BLOCKS`` key blocks (512K tokens); the heads of a group are ranked in passes of
+``min(group, 8, MAX_KEY_BLOCKS / width)`` heads.  ``cosa.plan`` uses the torch path for
+longer requests.
 
 Compile-time specialisation: both kernels per (dtype, head_dim); everything else is
 runtime.  Compiled from fake tensors on first use and cached in-process, like OSK.
@@ -128,16 +128,16 @@ class BlockMean:
         tidx, _, _ = cute.arch.thread_idx()
         first_row = tidx // self.row_threads
         column = (tidx % self.row_threads) * VEC
-        rows = cute.make_rmem_tensor((VEC, self.sweeps), self.dtype)
+        values = cute.make_rmem_tensor((VEC, self.sweeps), self.dtype)
         for m in cutlass.range_constexpr(self.sweeps):
             src = cute.make_ptr(self.dtype, (mX.iterator + (row_offset[m] + Int64(column))).toint(),
                                 cute.AddressSpace.gmem, assumed_align=16)
-            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), rows[None, m])
+            cute.autovec_copy(cute.make_tensor(src, cute.make_layout(VEC)), values[None, m])
         total = cute.make_rmem_tensor((VEC,), Float32)
         total.fill(0.0)
         for m in cutlass.range_constexpr(self.sweeps):
             if first_row + m * self.row_step < num_rows:
-                total.store(total.load() + rows[None, m].load().to(Float32))
+                total.store(total.load() + values[None, m].load().to(Float32))
         cute.autovec_copy(total, cute.local_tile(partial[None, first_row], (VEC,), (column // VEC,)))
         cute.arch.barrier()
         column_sum = Float32(0.0)
