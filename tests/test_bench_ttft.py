@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import sys
 from pathlib import Path
 
@@ -28,6 +29,17 @@ def test_cpu_quick_run_at_full_budget_matches_dense(tmp_path):
     assert sparse["kv_cache_gib"] > 0 and len(sparse["attention_ms_per_layer"]) == bench_ttft.CPU_TINY.num_layers
     for row in (dense, sparse):
         assert row["ttft_ms"] > 0 and 0 < row["attention_share"] < 1 and math.isfinite(row["speedup"])
+
+
+def test_density_bound_is_the_ttft_with_attention_scaled_by_the_density():
+    rng = random.Random()
+    attention, rest, density = rng.uniform(1, 10), rng.uniform(1, 10), rng.uniform(0.05, 1.0)
+    dense = bench_ttft.Row(131072, "fa4", ttft_ms=attention + rest, attention_ms=attention)
+    sparse = bench_ttft.Row(131072, "cosa b=0.25 d=0.05", density2=density)
+    bound = bench_ttft.density_bound(dense, sparse)
+    assert bound == pytest.approx((attention + rest) / (rest + density * attention), rel=1e-12)
+    assert bench_ttft.density_bound(dense, bench_ttft.Row(131072, "cosa", density2=1.0)) == pytest.approx(1.0)
+    assert bench_ttft.density_bound(bench_ttft.Row(131072, "fa4"), sparse) is None
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
