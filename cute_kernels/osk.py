@@ -83,6 +83,7 @@ import importlib.util
 import math
 import os
 import threading
+from dataclasses import dataclass
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -125,6 +126,24 @@ V_STAGES = 2
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
+
+
+@dataclass(frozen=True)
+class TileRows:
+    """A consumer thread's rows of its tile, as masking, the vote and the online softmax see
+    them (``row_max``, ``row_sum``, ``mloc``: register tensors they update in place)."""
+
+    tScS_mn: cute.Tensor  # (row, column) in the tile of each S element, row/column view
+    row_max: cute.Tensor  # running max of the scaled logits
+    row_sum: cute.Tensor  # running softmax denominator
+    mloc: cute.Tensor     # the current block's row max (unscaled)
+    kv_len: Int32
+    rows: Int32           # valid rows of the tile
+    diag0: Int32          # key index of the tile's first row's diagonal
+    causal: Int32
+    sm_scale: Float32
+    scale_log2: Float32   # sm_scale * log2(e)
+    thr: Float32          # stage-2 threshold, -inf with stage 2 off
 
 
 def _mn_layout(acc_layout):
@@ -399,64 +418,58 @@ class OSKForward:
         warpgroup.commit_group()
 
     @cute.jit
-    def _mask_and_vote(self, ctx, acc_S, it, jstart):
+    def _mask_and_vote(self, t: TileRows, acc_S, it, jstart):
         """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and
         return the tile-wide stage-2 decision (True = skip)."""
-        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-         row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
-         scale_log2, thr) = ctx
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         # masking is needed only for a block that crosses kv_len or the diagonal of the
         # tile's first row (uniform over the tile)
-        need_mask = (jstart + TILE_N > kv_len) or (causal != 0 and jstart + TILE_N - 1 > diag0)
+        need_mask = (jstart + TILE_N > t.kv_len) or (t.causal != 0 and jstart + TILE_N - 1 > t.diag0)
         want = -Float32.inf
-        for r in cutlass.range_constexpr(cute.size(mloc)):
-            row = tScS_mn[r, 0][0]
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            row = t.tScS_mn[r, 0][0]
             if need_mask:
-                lim = kv_len - jstart
-                if causal != 0:
-                    lim = cutlass.min(lim, diag0 + row + 1 - jstart)
+                lim = t.kv_len - jstart
+                if t.causal != 0:
+                    lim = cutlass.min(lim, t.diag0 + row + 1 - jstart)
                 for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    if tScS_mn[0, c][1] >= lim:
+                    if t.tScS_mn[0, c][1] >= lim:
                         acc_S_mn[r, c] = -Float32.inf
             mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
-            mloc[r] = mx
+            t.mloc[r] = mx
             d = -Float32.inf
             if mx != -Float32.inf:
-                d = mx * sm_scale - row_max[r]
-            if row < rows:
+                d = mx * t.sm_scale - t.row_max[r]
+            if row < t.rows:
                 want = cute.arch.fmax(want, d)
         skip = cutlass.Boolean(False)
         # The first visited block is never skipped, and with delta = 0 (thr = -inf) no
         # block is: no vote (and no barrier coupling the two warp groups) is needed.
-        if it > 0 and thr != -Float32.inf:
+        if it > 0 and t.thr != -Float32.inf:
             # bar.red.or over the 256 consumer threads: the barrier is the vote
             computes = nvvm_x.barrier_cta_red_aligned(
-                want >= thr, BAR_VOTE, "or", thread_count=NUM_CONSUMER_THREADS)
+                want >= t.thr, BAR_VOTE, "or", thread_count=NUM_CONSUMER_THREADS)
             skip = not computes
         return skip
 
     @cute.jit
-    def _softmax(self, ctx, acc_S, corr):
+    def _softmax(self, t: TileRows, acc_S, corr):
         """Online-softmax update of row_max/row_sum; S -> P in place; writes into corr
         the per-row factor by which O must be rescaled."""
-        (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-         row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
-         scale_log2, thr) = ctx
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
-        for r in cutlass.range_constexpr(cute.size(mloc)):
-            m_prev = row_max[r]
-            m_new = cute.arch.fmax(m_prev, mloc[r] * sm_scale)
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            m_prev = t.row_max[r]
+            m_new = cute.arch.fmax(m_prev, t.mloc[r] * t.sm_scale)
             m_use = m_new
             if m_new == -Float32.inf:
                 m_use = Float32(0.0)
             c = cute.math.exp2((m_prev - m_use) * LOG2_E, fastmath=True)
-            p = cute.math.exp2(acc_S_mn[r, None].load() * scale_log2 - m_use * LOG2_E, fastmath=True)
+            p = cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_use * LOG2_E, fastmath=True)
             acc_S_mn[r, None] = p
-            row_sum[r] = row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-            row_max[r] = m_new
+            t.row_sum[r] = t.row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            t.row_max[r] = m_new
             corr[r] = c
 
     @cute.jit
@@ -641,9 +654,8 @@ class OSKForward:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
             corr = cute.make_rmem_tensor((n_my_rows,), Float32)
-            ctx = (tiled_mma_qk, tiled_mma_pv, tSrQ, tSrK, tOrVt, acc_O, acc_O_mn, tScS_mn, row_max,
-                   row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
-                   scale_log2, thr)
+            tile_rows = TileRows(tScS_mn, row_max, row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
+                                 scale_log2, thr)
             # P of the block whose PV is still to be issued, as the A operand of PV
             rP = cute.make_fragment_like(
                 cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32), dtype)
@@ -666,8 +678,8 @@ class OSKForward:
                 pipe_k.consumer_release(kst)
                 jstart = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask_and_vote(ctx, acc_S, 0, jstart)
-                self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
+                self._mask_and_vote(tile_rows, acc_S, 0, jstart)
+                self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 for it in cutlass.range(1, num_sel, unroll=1):
@@ -682,8 +694,8 @@ class OSKForward:
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
                     pipe_k.consumer_release(kst)
-                    self._mask_and_vote(ctx, acc_S, it, jstart)
-                    self._softmax(ctx, acc_S, corr)
+                    self._mask_and_vote(tile_rows, acc_S, it, jstart)
+                    self._softmax(tile_rows, acc_S, corr)
                     warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
                     pipe_v.consumer_release(v_prev)
                     self._rescale_o(acc_O_mn, corr)
@@ -711,8 +723,8 @@ class OSKForward:
                 pipe_k.consumer_release(kst)
                 j_pending = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask_and_vote(ctx, acc_S, 0, j_pending)  # the first block is never skipped
-                self._softmax(ctx, acc_S, corr)  # O = 0: no rescale
+                self._mask_and_vote(tile_rows, acc_S, 0, j_pending)  # the first block is never skipped
+                self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 computed = Int32(1)
                 pending = cutlass.Boolean(True)
@@ -726,7 +738,7 @@ class OSKForward:
                     acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
                     warpgroup.wait_group(0)
                     pipe_k.consumer_release(kst)
-                    skip = self._mask_and_vote(ctx, acc_S, it, jstart)
+                    skip = self._mask_and_vote(tile_rows, acc_S, it, jstart)
                     if ctid == 0:
                         pipe_decision.producer_acquire(d_state)
                         sDecision[d_state.index] = Int32(skip)
@@ -738,7 +750,7 @@ class OSKForward:
                     if skip:
                         skipped = skipped + 1
                     else:
-                        self._softmax(ctx, acc_S, corr)
+                        self._softmax(tile_rows, acc_S, corr)
                     # PV(j-1) done: O may be rescaled, P and V(j-1) reused (waited on every
                     # path, so that ptxas sees O's readers ordered after it and does not
                     # serialise the wgmmas)
