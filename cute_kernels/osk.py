@@ -9,8 +9,7 @@ Entry points
 kv_lens, qtiles, tile_order, order, o, lse, computed, skipped, *, sm_scale,
 log_delta, kv_layout="NHD", causal=True) -> None``
     Launches the kernel on the current torch stream; writes ``o``, ``lse``,
-    ``computed`` and ``skipped`` in place; no host sync and no allocation
-    (except a 1-element stand-in when ``order`` or ``block_pages`` is empty), so it
+    ``computed`` and ``skipped`` in place; no host sync and no allocation, so it
     is CUDA-graph capturable once compiled (tests/test_cuda_graph.py).  Every
     (qtile, head) listed in ``tile_order`` is written (rows of a tile with no
     computed key: o = 0, lse = -inf).
@@ -25,7 +24,9 @@ log_delta, kv_layout="NHD", causal=True) -> None``
       pages_per_block], ``kv_block_indptr`` [B+1], ``qo_lens`` [B], ``kv_lens``
       [B], ``qtiles`` [num_qtiles, 8], ``tile_order`` [num_tiles, 2] (qtile,
       head), ``order`` [num_qtiles, Hq, k_max] (logical key blocks in visiting
-      order; only the first ``qtiles[:, 7]`` entries are read).
+      order; only the first ``qtiles[:, 7]`` entries are read).  A plan with a tile
+      has k_max >= 1 and a key block (every query row has a key and every tile
+      selects one), which the kernel's tensor arguments need.
     - outputs: ``o`` [total_q, Hq, D] (q's dtype), ``lse`` [total_q, Hq] float32
       (natural log of the softmax denominator of the scaled logits; ``-inf`` and
       o = 0 for a row that computed no visible key), ``computed`` and
@@ -927,10 +928,9 @@ def osk_forward(
     group = Hq // Hkv
     if num_tiles == 0:
         return
-    if order.shape[-1] == 0:  # k_max == 0: nothing is read, but keep a valid pointer
-        order = order.new_full((order.shape[0], order.shape[1], 1), -1)
-    if block_pages.shape[0] == 0:
-        block_pages = block_pages.new_zeros((1, max(1, block_pages.shape[1])))
+    if order.shape[-1] == 0 or block_pages.shape[0] == 0:
+        raise ValueError(f"osk_forward: {num_tiles} tiles but order has k_max={order.shape[-1]} and "
+                         f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
     fn, source = load_kernel(name, D)  # exported ahead of time into libcosa, if it carries them
     if fn is None:
         fn = compile_config(name, D)

@@ -10,6 +10,7 @@ checked against what the launchers pass through the plain C ABI.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 
@@ -89,3 +90,38 @@ def test_plain_abi_arguments_match_the_compiled_spec(kernel):
         passed = osk._to_cute(tensor, tensor.dim() - 1)
         assert (passed.dynamic_shapes_mask, passed.dynamic_strides_mask) == \
             (fake.dynamic_shapes_mask, fake.dynamic_strides_mask), f"argument {position}"
+
+
+def _forward_args(**change):
+    """``osk_forward``'s arguments for one 128-row tile of 4 heads (CPU tensors: every case
+    below is rejected before a kernel is compiled or launched), with ``change`` applied."""
+    bf16, i32 = torch.bfloat16, torch.int32
+    args = {"q": torch.zeros(128, 4, 128, dtype=bf16), "k_cache": torch.zeros(8, 16, 2, 128, dtype=bf16),
+            "v_cache": torch.zeros(8, 16, 2, 128, dtype=bf16), "block_pages": torch.zeros(1, 8, dtype=i32),
+            "kv_block_indptr": torch.tensor([0, 1], dtype=i32), "qo_lens": torch.tensor([128], dtype=i32),
+            "kv_lens": torch.tensor([128], dtype=i32), "qtiles": torch.zeros(1, 8, dtype=i32),
+            "tile_order": torch.zeros(4, 2, dtype=i32), "order": torch.zeros(1, 4, 1, dtype=i32),
+            "o": torch.zeros(128, 4, 128, dtype=bf16), "lse": torch.zeros(128, 4),
+            "computed": torch.zeros(1, 4, dtype=i32), "skipped": torch.zeros(1, 4, dtype=i32)}
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,match", [
+    ({"order": torch.zeros(1, 4, 0, dtype=torch.int32)}, ValueError, r"k_max=0 .* a plan with tiles"),
+    ({"block_pages": torch.zeros(0, 8, dtype=torch.int32)}, ValueError, r"block_pages 0 key blocks"),
+    ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
+    ({"k_cache": torch.zeros(8, 8, 2, 128, dtype=torch.bfloat16)}, ValueError, r"page_size must be .* got 8"),
+    ({"o": torch.zeros(128, 4, 128, dtype=torch.float16)}, TypeError, r"o must have dtype torch.bfloat16"),
+    ({"q": torch.zeros(128, 128, 4, dtype=torch.bfloat16).transpose(1, 2)}, ValueError, r"q needs a contiguous"),
+    ({"v_cache": torch.zeros(8 * 16 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 2, 128)}, ValueError,
+     r"v_cache needs a contiguous, 16-byte aligned"),
+])
+def test_osk_forward_rejects(change, error, match):
+    with pytest.raises(error, match=match):
+        osk.osk_forward(**_forward_args(**change), sm_scale=1.0, log_delta=-math.inf)
+
+
+def test_osk_forward_rejects_an_unknown_kv_layout():
+    with pytest.raises(ValueError, match=r"kv_layout must be 'NHD' or 'HND', got 'NDH'"):
+        osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf, kv_layout="NDH")
