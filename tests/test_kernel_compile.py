@@ -5,7 +5,8 @@ on purpose: CI installs the DSL.  Kernels are compiled from fake tensors (symbol
 shapes and strides), exactly as ``osk_forward`` compiles them at runtime, so no GPU is
 needed.  With apache-tvm-ffi installed the TVM-FFI host wrapper (the one used on the
 GPU) is compiled; otherwise the plain one (same device code).  The fake tensors are also
-checked against what the launchers pass through the plain C ABI.
+checked against what the launchers pass through the plain C ABI, and ``osk_forward``'s
+argument checks, which run before anything is compiled, are exercised here too.
 """
 
 from __future__ import annotations
