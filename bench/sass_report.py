@@ -1,0 +1,143 @@
+"""Static SASS of one compiled OSK configuration, no GPU needed: ptxas's register, spill and
+wgmma-serialisation (C75xx) report, and for every loop around wgmmas (a backward branch whose
+body holds HGMMA) its instruction count, its HGMMAs, its R2URs (values moved into the uniform
+datapath inside the loop) and its local-memory traffic (spills).  The instruction counts in
+NOTES.md come from here; a kernel variant is judged here before it costs device time.
+
+    python bench/sass_report.py [--dtype bfloat16] [--head-dim 128] [--kernel FILE.py]
+                                [--ptxas PATH] [--cuobjdump PATH] [--ptx-version 9.0] [--save DIR]
+
+``--kernel``: a variant of ``cute_kernels/osk.py`` (same ``compile_config``) instead of the
+installed one.  ptxas and cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
+``--ptx-version`` rewrites the PTX's ``.version`` line when the DSL emits a newer one than
+that ptxas reads.  ``--save DIR`` keeps the PTX, the cubin and the SASS listing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
+_BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
+_PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+@dataclass(frozen=True)
+class Loop:
+    start: int          # address of the branch target (the loop's first instruction)
+    end: int            # address of the backward branch
+    instructions: int
+    hgmma: int
+    r2ur: int
+    local: int          # LDL/STL: spill traffic
+
+
+def parse_sass(listing: str) -> list[tuple[int, str]]:
+    """(address, instruction) pairs of a ``cuobjdump -sass`` listing."""
+    out = []
+    for line in listing.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m:
+            out.append((int(m.group(1), 16), m.group(2)))
+    return out
+
+
+def opcode(instruction: str) -> str:
+    return _PREDICATE.sub("", instruction).split()[0]
+
+
+def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
+    """Every backward branch whose body (target .. branch) holds an HGMMA and no EXIT, smallest
+    first.  The EXIT test drops the out-of-line retry stubs of mbarrier waits, which ptxas
+    places after the kernel's end and which branch back into its body."""
+    position = {address: i for i, (address, _) in enumerate(instructions)}
+    loops = []
+    for i, (address, text) in enumerate(instructions):
+        m = _BRANCH_TARGET.search(text)
+        if not m:
+            continue
+        target = int(m.group(1), 16)
+        if target >= address or target not in position:
+            continue
+        ops = [opcode(t) for _, t in instructions[position[target]:i + 1]]
+        hgmma = sum(op.startswith("HGMMA") for op in ops)
+        if hgmma and "EXIT" not in ops:
+            loops.append(Loop(target, address, len(ops), hgmma, ops.count("R2UR"),
+                              sum(op.startswith(("LDL", "STL")) for op in ops)))
+    return sorted(loops, key=lambda loop: (loop.instructions, loop.start))
+
+
+def _compile_ptx(kernel: str | None, dtype: str, head_dim: int, dump: Path) -> Path:
+    os.environ["CUTE_DSL_ARCH"] = "sm_90a"
+    os.environ["CUTE_DSL_KEEP_PTX"] = "1"
+    os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
+    dump.mkdir(parents=True, exist_ok=True)
+    if kernel is None:
+        from cosa.cute_kernels import osk as module
+    else:
+        spec = importlib.util.spec_from_file_location("osk_variant", kernel)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    module.compile_config(dtype, head_dim, use_tvm_ffi=False)
+    ptx = sorted(dump.glob("*.ptx"))
+    if not ptx:
+        raise SystemExit(f"no PTX was dumped into {dump}")
+    return ptx[0]
+
+
+def _run(command: list[str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise SystemExit(f"{' '.join(command[:2])} failed:\n{result.stderr.strip()}")
+    return result.stdout + result.stderr
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    parser.add_argument("--kernel", help="a variant of cute_kernels/osk.py")
+    parser.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
+    parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
+    parser.add_argument("--ptx-version", help="rewrite the PTX's .version line to this")
+    parser.add_argument("--save", help="directory to keep the PTX, cubin and SASS in")
+    args = parser.parse_args(argv)
+
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(args.save) if args.save else Path(scratch)
+        work.mkdir(parents=True, exist_ok=True)
+        ptx = _compile_ptx(args.kernel, args.dtype, args.head_dim, work / "dump")
+        text = ptx.read_text()
+        if args.ptx_version:
+            text = re.sub(r"^\.version \S+", f".version {args.ptx_version}", text, count=1, flags=re.M)
+        (work / "kernel.ptx").write_text(text)
+        report = _run([args.ptxas, "-arch=sm_90a", "-v", str(work / "kernel.ptx"), "-o", str(work / "kernel.cubin")])
+        listing = _run([args.cuobjdump, "-sass", str(work / "kernel.cubin")])
+        (work / "kernel.sass").write_text(listing)
+
+    print(f"OSK {args.dtype} d{args.head_dim} ({args.kernel or 'installed'}), sm_90a")
+    for line in report.splitlines():
+        if re.search(r"Used \d+ registers|spill|C75\d\d", line):
+            print("  " + re.sub(r"in the function '.*'", "", line.replace("ptxas info    : ", "")).strip())
+    instructions = parse_sass(listing)
+    ops = [opcode(t) for _, t in instructions]
+    print(f"  {len(instructions)} instructions, {ops.count('R2UR')} R2UR, "
+          f"{sum(op.startswith(('LDL', 'STL')) for op in ops)} LDL/STL")
+    print(f"  {'loop':>17} {'instructions':>12} {'HGMMA':>6} {'R2UR':>5} {'LDL/STL':>7}")
+    for loop in wgmma_loops(instructions):
+        print(f"  {loop.start:#07x}-{loop.end:#07x} {loop.instructions:12d} {loop.hgmma:6d} "
+              f"{loop.r2ur:5d} {loop.local:7d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""bench/sass_report.py's listing parser and loop finder on synthetic cuobjdump listings (the
+report itself needs ptxas and cuobjdump)."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from sass_report import Loop, parse_sass, wgmma_loops  # noqa: E402
+
+FILLER = ("FADD R4, R4, R5", "@P0 IMAD R6, R7, R8, R9", "UIADD3 UR4, UR4, 0x1, URZ", "FMNMX R2, R2, R3, !PT")
+
+
+class Listing:
+    """Instructions at consecutive addresses, written as cuobjdump prints them."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    @property
+    def address(self) -> int:
+        return 0x10 * len(self.lines)
+
+    def add(self, text: str) -> int:
+        address = self.address
+        self.lines.append(f"        /*{address:04x}*/                   {text} ;   /* 0x000fe20000000f00 */")
+        return address
+
+    def filler(self, rng: random.Random, n: int) -> None:
+        for _ in range(n):
+            self.add(rng.choice(FILLER))
+
+
+def test_loops_around_wgmmas_are_found_and_counted():
+    rng = random.Random()
+    listing = Listing()
+    listing.lines.append("        code for sm_90a")
+    listing.filler(rng, rng.randrange(1, 20))
+    # a loop with no wgmma: not reported
+    top = listing.add("LDS R0, [R1]")
+    listing.filler(rng, rng.randrange(1, 20))
+    listing.add(f"@P1 BRA {top:#x}")
+    # the wgmma loop
+    start = listing.add("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R13+UR7+0x10], R16")
+    listing.add("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT")
+    hgmma, r2ur, local = 1, 0, 0
+    body = rng.randrange(20, 200)
+    for _ in range(body):
+        kind = rng.random()
+        if kind < 0.1:
+            listing.add("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24")
+            hgmma += 1
+        elif kind < 0.2:
+            listing.add("R2UR UR18, R196")
+            r2ur += 1
+        elif kind < 0.25:
+            listing.add(rng.choice(("STL [R1+0x8], R3", "LDL.LU R3, [R1+0x8]", "@!P0 STL.64 [R1], R4")))
+            local += 1
+        else:
+            listing.add(rng.choice(FILLER))
+    listing.add("@P2 BRA 0x9990")  # a forward branch inside the body
+    end = listing.add(f"@!P3 BRA {start:#x}")
+    listing.filler(rng, rng.randrange(1, 20))
+    listing.add("EXIT")
+    # an mbarrier wait's retry stub after the end, branching back into the body: not a loop
+    listing.add("SYNCS.PHASECHK.TRANS64 P0, [R13+UR7+0x10], R16")
+    listing.add(f"@!P0 BRA {start + 0x10:#x}")
+    listing.add(f"BRA {top:#x}")
+
+    instructions = parse_sass("\n".join(listing.lines))
+    assert len(instructions) == len(listing.lines) - 1
+    assert wgmma_loops(instructions) == [Loop(start, end, body + 4, hgmma, r2ur, local)]
+
+
+def test_parse_sass_reads_addresses_and_strips_encodings():
+    text = ("        /*0be0*/                   R2UR UR19, R197 ;          /* 0x00000000c51372ca */\n"
+            "                                                              /* 0x000fe200000e0000 */\n"
+            "        /*0bf0*/                   @!P0 BRA 0x252d0 ;         /* 0x0000000000009947 */")
+    assert parse_sass(text) == [(0xBE0, "R2UR UR19, R197"), (0xBF0, "@!P0 BRA 0x252d0")]
