@@ -9,7 +9,7 @@ import torch
 
 import cosa
 from cosa.eval.metrics import attention_block_mass, iou, mass_recall, order_to_mask, relative_error, top_k_mask
-from cosa.eval.studies import reorder_scored_blocks
+from cosa.eval.studies import captured_attention_study, reorder_scored_blocks
 from cosa.paged import uniform_page_table
 from cosa.proxy import proxy_order
 
@@ -74,3 +74,31 @@ def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering):
             if ordering == "ascending":
                 assert moved[tile, h, forced:selected].tolist() == order[tile, h, forced:selected].flip(0).tolist()
     assert not torch.equal(moved, order)
+
+
+def test_oracle_recall_is_the_ceiling_of_every_proxy():
+    """The study's oracle record: the mass recall of the best mask with the plan's count per tile
+    (float64 brute force here), at least every proxy's, IoU 1 with itself."""
+    g = torch.Generator().manual_seed(torch.seed())
+    n, budget = 700, 0.3
+    q, k, v = torch.randn(n, 2, 64, generator=g) * 2, torch.randn(n, 1, 64, generator=g), torch.randn(n, 1, 64)
+    records = captured_attention_study([(0, (q, k, v))], [budget], [0.0], proxies=("kap", "xattention8"),
+                                       ordering_budgets=(), gammas=(), progress=lambda _: None)
+    recall = {r["proxy"]: r["recall_stage1"] for r in records if r["study"] == "proxy"}
+    oracle = next(r for r in records if r["study"] == "proxy" and r["proxy"] == "oracle")
+    assert oracle["iou"] == [1.0, 1.0]
+
+    plan = cosa.plan(*uniform_page_table(1, n, n, 128, "cpu"), 2, 1, 64, 128, budget=budget,
+                     q_data_type=torch.float32)
+    counts = plan.qtiles[:, cosa._C.QT_NUM_SELECTED].tolist()
+    blocks = -(-n // 128)
+    for h in range(2):
+        logits = (q[:, h].double() @ k[:, 0].double().T) * 64 ** -0.5
+        p = torch.softmax(logits.masked_fill(torch.ones(n, n).triu(1).bool(), -math.inf), -1)
+        mass = p.view(n, 1, n).new_zeros(blocks, blocks)
+        for row in range(n):
+            mass[row // 128] += torch.nn.functional.pad(p[row], (0, blocks * 128 - n)).view(blocks, 128).sum(-1)
+        best = sum(mass[t].sort(descending=True).values[:counts[t]].sum() for t in range(blocks)) / n
+        assert oracle["recall_stage1"][h] == pytest.approx(float(best), abs=2e-6)
+        for name in ("kap", "xattention8"):
+            assert recall[name][h] <= oracle["recall_stage1"][h] + 2e-6

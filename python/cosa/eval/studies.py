@@ -2,9 +2,10 @@
 
 - :func:`captured_attention_study`: on real Q/K/V of every layer, per budget and
   proxy the IoU of the stage-1 mask with the oracle top-K mask and its mass
-  recall; for KAP per delta the output error, the mass recall of the computed
-  blocks and both densities; the visiting-order ablation; FlexPrefill's
-  cumulative threshold at the budget it picks.
+  recall, and the oracle's own mass recall (the ceiling at that budget); for
+  KAP per delta the output error, the mass recall of the computed blocks and
+  both densities; the visiting-order ablation; FlexPrefill's cumulative
+  threshold at the budget it picks.
 - :func:`needle_study`: pass-key retrieval with the model's prefill through CoSA.
 - :func:`long_context_study`: structured 32K-128K inputs with a planted far needle.
 """
@@ -72,11 +73,15 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
         for budget in budgets:
             plan_ = _contiguous_plan(q, k, budget=budget)
             candidates = plan_.qtiles[:, _C.QT_NUM_CANDIDATES].double()
+            # every proxy lists the plan's count per tile; the oracle's recall at that count
+            # is the most any stage-1 mask of this budget can reach
+            oracle = top_k_mask(mass, plan_.qtiles[:, _C.QT_NUM_SELECTED, None].long().expand(mass.shape[:2]))
+            records.append({"study": "proxy", **base, "budget": budget, "proxy": "oracle",
+                            **_per_head(iou=iou(oracle, oracle), recall_stage1=mass_recall(mass, oracle))})
             for proxy in proxies:
                 order = torch.empty_like(plan_.order)
                 proxy_order(q, k, plan_.qtiles, plan_.rank_base, order, proxy=proxy, sm_scale=sm_scale)
                 selected = order_to_mask(order, kv_blocks)
-                oracle = top_k_mask(mass, selected.sum(-1))
                 records.append({"study": "proxy", **base, "budget": budget, "proxy": proxy,
                                 **_per_head(iou=iou(selected, oracle), recall_stage1=mass_recall(mass, selected))})
                 if proxy != "kap":
