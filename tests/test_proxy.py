@@ -1,7 +1,8 @@
 """The alternative stage-1 proxies against small float64 models of their scoring, written here.
 
 Each model scores one (query tile, head) at a time from the proxy's published
-recipe; the library's order mask must rank the non-forced candidates by it.
+recipe (the oracle's: the true attention mass); the library's order mask must
+rank the non-forced candidates by it.
 """
 
 from __future__ import annotations
@@ -76,15 +77,29 @@ def vertical_slash_model(q, k, tile, h, causal, sm_scale, last_q=64):
     return torch.nn.functional.pad(per_key, (0, -kv_len % BLOCK)).view(-1, BLOCK).sum(1)
 
 
+def oracle_model(q, k, tile, h, causal, sm_scale):
+    q_len, kv_len = q.shape[0], k.shape[0]
+    kh = h // (q.shape[1] // k.shape[1])
+    scores = torch.zeros(-(-kv_len // BLOCK), dtype=torch.float64)
+    for t in range(tile * BLOCK, min(tile * BLOCK + BLOCK, q_len)):
+        visible = kv_len - q_len + t + 1 if causal else kv_len
+        p = torch.softmax(k[:visible, kh].double() @ q[t, h].double() * sm_scale, 0)
+        for j in range(-(-visible // BLOCK)):
+            scores[j] += p[j * BLOCK:(j + 1) * BLOCK].sum()
+    return scores
+
+
 def model_scores(proxy, q, k, tile, h, causal, sm_scale, candidates):
     if proxy.startswith("xattention"):
         return xattention_model(q, k, tile, h, causal, sm_scale, int(proxy.removeprefix("xattention")))
     if proxy == "flexprefill":
         return flexprefill_model(q, k, tile, h, causal, sm_scale, candidates)
+    if proxy == "oracle":
+        return oracle_model(q, k, tile, h, causal, sm_scale)
     return vertical_slash_model(q, k, tile, h, causal, sm_scale)
 
 
-@pytest.mark.parametrize("proxy", ["xattention8", "xattention16", "flexprefill", "vertical_slash"])
+@pytest.mark.parametrize("proxy", ["xattention8", "xattention16", "flexprefill", "vertical_slash", "oracle"])
 @pytest.mark.parametrize("q_len,kv_len", [(300, 700), (200, 200)])
 def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len):
     g = torch.Generator().manual_seed(torch.seed())
@@ -134,7 +149,7 @@ def test_plan_rejects_an_unknown_proxy():
     batch = make_batch([10], [10], HQ, HKV, D, PAGE)
     with pytest.raises(ValueError, match="proxy must be one of"):
         cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                  HQ, HKV, D, PAGE, proxy="oracle")
+                  HQ, HKV, D, PAGE, proxy="no_such_proxy")
 
 
 def test_cumulative_threshold_counts():

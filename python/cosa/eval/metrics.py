@@ -2,38 +2,13 @@
 
 Masks are ``[tiles, hq, kv_blocks]`` bool (a block listed / computed for a
 query tile and head); masses are ``[tiles, hq, kv_blocks]``: the dense
-attention probability each block receives, summed over the tile's rows.
+attention probability each block receives, summed over the tile's rows
+(:func:`cosa.proxy.oracle.attention_block_mass`).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-
-from ..blocks import BLOCK, num_blocks
-
-_TILES_PER_CHUNK = 4  # query tiles per chunk of the dense pass, bounding its memory
-
-
-@torch.no_grad()
-def attention_block_mass(q: torch.Tensor, k: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """Dense causal attention mass per (tile, head, key block) of one request, ``q_len == kv_len``, float32."""
-    n, num_qo_heads, _ = q.shape
-    group = num_qo_heads // k.shape[1]
-    tiles = num_blocks(n)
-    keys = k.float().repeat_interleave(group, dim=1).transpose(0, 1)       # [hq, n, d]
-    mass = torch.zeros((tiles, num_qo_heads, tiles), dtype=torch.float32, device=q.device)
-    for first in range(0, tiles, _TILES_PER_CHUNK):
-        rows = slice(first * BLOCK, min((first + _TILES_PER_CHUNK) * BLOCK, n))
-        logits = q[rows].float().transpose(0, 1) @ keys[:, :rows.stop].transpose(1, 2) * sm_scale
-        causal = torch.arange(rows.stop, device=q.device)[None, :] > torch.arange(rows.start, rows.stop,
-                                                                                  device=q.device)[:, None]
-        p = torch.softmax(logits.masked_fill(causal, -math.inf), dim=-1)
-        p = torch.nn.functional.pad(p, (0, -rows.stop % BLOCK, 0, -(rows.stop - rows.start) % BLOCK))
-        chunk = p.view(num_qo_heads, -1, BLOCK, p.shape[-1] // BLOCK, BLOCK).sum((2, 4))
-        mass[first:first + chunk.shape[1], :, :chunk.shape[2]] = chunk.transpose(0, 1)
-    return mass
 
 
 def order_to_mask(order: torch.Tensor, num_kv_blocks: int, listed: torch.Tensor | None = None) -> torch.Tensor:

@@ -51,8 +51,8 @@ def _captured(records, config) -> list[str]:
     if proxy:
         names = list(dict.fromkeys(p for _, p in proxy))
         out += ["", "### Stage-1 IoU with the oracle top-K mask (mass recall of the stage-1 mask)", "",
-                "The `oracle` column is that mask itself: its mass recall is the most any stage-1 mask "
-                "listing the plan's number of blocks can reach.", ""] + _table(
+                "The `oracle` proxy ranks blocks by their true attention mass after the same forced "
+                "blocks: its mass recall is the most any proxy can reach at that budget.", ""] + _table(
             ["budget"] + names,
             [[b] + [f"{mean(_values(proxy[(b, n)], 'iou')):.3f} ({mean(_values(proxy[(b, n)], 'recall_stage1')):.3f})"
                     for n in names] for b in dict.fromkeys(b for b, _ in proxy)])

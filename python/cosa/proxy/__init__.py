@@ -9,6 +9,7 @@ proxy, so they differ only in how they rank the non-forced candidates.
 - ``xattention8`` / ``xattention16``: XAttention's antidiagonal scoring, stride 8 / 16.
 - ``flexprefill``: FlexPrefill's pooled softmax (ranks like ``kap`` at a fixed budget).
 - ``vertical_slash``: MInference's vertical and slash lines from the last 64 queries.
+- ``oracle``: the exact attention mass per block (dense attention; the ceiling for studies).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 
 from .flexprefill import cumulative_threshold_counts, flexprefill_scores
 from .kap import kap_scores
+from .oracle import oracle_scores
 from .order import block_means, order_from_scores, rank_base, visiting_priority
 from .vertical_slash import vertical_slash_scores
 from .xattention import xattention_scores
@@ -29,6 +31,7 @@ PROXIES = {
     "xattention16": partial(xattention_scores, stride=16),
     "flexprefill": flexprefill_scores,
     "vertical_slash": vertical_slash_scores,
+    "oracle": oracle_scores,
 }
 
 
