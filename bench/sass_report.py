@@ -76,6 +76,16 @@ def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
     return sorted(loops, key=lambda loop: (loop.instructions, loop.start))
 
 
+def load_variant(path: str):
+    """The kernel module at ``path``, registered in ``sys.modules`` first (dataclasses look their
+    module up there while the module runs)."""
+    spec = importlib.util.spec_from_file_location("osk_variant", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def _compile_ptx(kernel: str | None, dtype: str, head_dim: int, dump: Path) -> Path:
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["CUTE_DSL_KEEP_PTX"] = "1"
@@ -84,9 +94,7 @@ def _compile_ptx(kernel: str | None, dtype: str, head_dim: int, dump: Path) -> P
     if kernel is None:
         from cosa.cute_kernels import osk as module
     else:
-        spec = importlib.util.spec_from_file_location("osk_variant", kernel)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_variant(kernel)
     module.compile_config(dtype, head_dim, use_tvm_ffi=False)
     ptx = sorted(dump.glob("*.ptx"))
     if not ptx:

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sass_report import Loop, parse_sass, wgmma_loops  # noqa: E402
+from sass_report import Loop, load_variant, parse_sass, wgmma_loops  # noqa: E402
 
 FILLER = ("FADD R4, R4, R5", "@P0 IMAD R6, R7, R8, R9", "UIADD3 UR4, UR4, 0x1, URZ", "FMNMX R2, R2, R3, !PT")
 
@@ -79,3 +79,14 @@ def test_parse_sass_reads_addresses_and_strips_encodings():
             "                                                              /* 0x000fe200000e0000 */\n"
             "        /*0bf0*/                   @!P0 BRA 0x252d0 ;         /* 0x0000000000009947 */")
     assert parse_sass(text) == [(0xBE0, "R2UR UR19, R197"), (0xBF0, "@!P0 BRA 0x252d0")]
+
+
+def test_a_kernel_variant_with_a_dataclass_loads(tmp_path):
+    """--kernel FILE: osk.py defines a dataclass under postponed annotations, which looks its
+    module up in sys.modules."""
+    variant = tmp_path / "variant.py"
+    variant.write_text("from __future__ import annotations\n\nfrom dataclasses import dataclass\n\n\n"
+                       "@dataclass(frozen=True)\nclass Rows:\n"
+                       "    n: int\n\n\ndef compile_config(dtype, head_dim, use_tvm_ffi=False):\n"
+                       "    return Rows(head_dim)\n")
+    assert load_variant(str(variant)).compile_config("bfloat16", 128).n == 128
