@@ -56,7 +56,10 @@ query head):
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
   (P from registers, V from smem, MN-major), PV of a computed block issued one
-  block late so that it runs under the next block's vote and softmax.  With
+  block late so that it runs under the next block's vote and softmax.  The vote
+  loop computes S in two 64-key halves: the next block's low half is issued right
+  before this block's vote, so that it runs under the vote (the K block behind it is
+  waited for first; past the last block it reads a stale stage and is discarded).  With
   delta = 0 (no vote, no skip) a separate loop schedules like FA3: the two groups
   take turns on the tensor cores (two named barriers; one group's GEMMs run under
   the other's softmax) and each issues PV_{j-1} together with QK_j.
@@ -251,6 +254,11 @@ class OSKForward:
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N),
         )
+        # QK in two 64-key halves (stage-2 loop): the next block's first half runs under the vote
+        tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
+            dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
+            atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N // 2),
+        )
         tiled_mma_pv = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, D),
@@ -272,7 +280,8 @@ class OSKForward:
             mQ, mK_block, mK_box, mV_block, mV_box, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens,
             mKvLens, mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
             sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
-            sQ_layout, sK_layout, sV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_pv,
+            sQ_layout, sK_layout, sV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_qk_half,
+            tiled_mma_pv,
             tma_atom_K_block, tma_atom_K_box, tma_atom_V_block, tma_atom_V_box, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
@@ -398,16 +407,16 @@ class OSKForward:
         return pipeline.PipelineState(self.v_stages, b, b % self.v_stages, (b // self.v_stages) & 1)
 
     @cute.jit
-    def _issue_qk(self, tiled_mma_qk, tSrQ, tSrK, stage):
-        acc_S = cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+    def _issue_qk(self, tiled_mma, tSrQ, tSrK, stage, acc_S):
+        """acc_S = Q K^T for K stage `stage`: the whole block (tiled_mma_qk) or 64 of its keys
+        (tiled_mma_qk_half with the low or high half's tSrK)."""
         warpgroup.fence()
-        mma_atom = cute.make_mma_atom(tiled_mma_qk.op)
+        mma_atom = cute.make_mma_atom(tiled_mma.op)
         mma_atom.set(warpgroup.Field.ACCUMULATE, False)
         for k in cutlass.range_constexpr(cute.size(tSrQ.shape[2])):
             cute.gemm(mma_atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, stage], acc_S)
             mma_atom.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
-        return acc_S
 
     @cute.jit
     def _issue_pv(self, tiled_mma_pv, acc_O, tOrP, tOrVt, stage):
@@ -419,9 +428,9 @@ class OSKForward:
         warpgroup.commit_group()
 
     @cute.jit
-    def _mask_and_vote(self, t: TileRows, acc_S, it, jstart):
-        """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and
-        return the tile-wide stage-2 decision (True = skip)."""
+    def _block_max(self, t: TileRows, acc_S, jstart):
+        """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and return
+        this thread's best gain over the running max (what the stage-2 vote tests)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         # masking is needed only for a block that crosses kv_len or the diagonal of the
         # tile's first row (uniform over the tile)
@@ -445,15 +454,17 @@ class OSKForward:
                 d = mx * t.sm_scale - t.row_max[r]
             if row < t.rows:
                 want = cute.arch.fmax(want, d)
-        skip = cutlass.Boolean(False)
-        # The first visited block is never skipped, and with delta = 0 (thr = -inf) no
-        # block is: no vote (and no barrier coupling the two warp groups) is needed.
-        if it > 0 and t.thr != -Float32.inf:
-            # bar.red.or over the 256 consumer threads: the barrier is the vote
-            computes = nvvm_x.barrier_cta_red_aligned(
-                want >= t.thr, BAR_VOTE, "or", thread_count=NUM_CONSUMER_THREADS)
-            skip = not computes
-        return skip
+        return want
+
+    @cute.jit
+    def _vote(self, t: TileRows, want):
+        """The tile-wide stage-2 decision on a block after the first (True = skip): one
+        bar.red.or over the 256 consumer threads both synchronises them and ORs their tests.
+        Only the stage-2 loop votes: the first block is never skipped, and with delta = 0
+        no block is, so the ping-pong loop has no barrier coupling the two groups."""
+        computes = nvvm_x.barrier_cta_red_aligned(want >= t.thr, BAR_VOTE, "or",
+                                                  thread_count=NUM_CONSUMER_THREADS)
+        return not computes
 
     @cute.jit
     def _softmax(self, t: TileRows, acc_S, corr):
@@ -510,6 +521,7 @@ class OSKForward:
         tiled_copy_g2s: cute.TiledCopy,
         tiled_copy_o: cute.TiledCopy,
         tiled_mma_qk: cute.TiledMma,
+        tiled_mma_qk_half: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
         tma_atom_K_block,
         tma_atom_K_box,
@@ -636,6 +648,13 @@ class OSKForward:
             wg_mma_pv = tiled_mma_pv.get_slice(wg * 128)
             tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
             tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
+            wg_mma_half = tiled_mma_qk_half.get_slice(wg * 128)
+            tSrQ_half = wg_mma_half.make_fragment_A(wg_mma_half.partition_A(sQ))
+            sK_halves = cute.flat_divide(sK, (TILE_N // 2, D))
+            tSrK_lo = wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 0, 0, None]))
+            tSrK_hi = wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 1, 0, None]))
+            s_shape = tiled_mma_qk.partition_shape_C((TILE_M, TILE_N))
+            half_layout = cute.make_layout(tiled_mma_qk_half.partition_shape_C((TILE_M, TILE_N // 2)))
             sVt = cute.composition(sV, cute.make_ordered_layout((D, TILE_N, self.v_stages), order=(1, 0, 2)))
             tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D)), Float32)
@@ -658,8 +677,7 @@ class OSKForward:
             tile_rows = TileRows(tScS_mn, row_max, row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
                                  scale_log2, thr)
             # P of the block whose PV is still to be issued, as the A operand of PV
-            rP = cute.make_fragment_like(
-                cute.make_rmem_tensor(tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32), dtype)
+            rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
@@ -673,13 +691,14 @@ class OSKForward:
                 pipe_k.consumer_wait(kst)
                 self._sched_wait(wg)
                 cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
                 self._sched_arrive(wg)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(kst)
                 jstart = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask_and_vote(tile_rows, acc_S, 0, jstart)
+                self._block_max(tile_rows, acc_S, jstart)
                 self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
@@ -690,12 +709,13 @@ class OSKForward:
                     kst = self._k_state(it)
                     pipe_k.consumer_wait(kst)
                     self._sched_wait(wg)
-                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
+                    acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                    self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
                     self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
                     pipe_k.consumer_release(kst)
-                    self._mask_and_vote(tile_rows, acc_S, it, jstart)
+                    self._block_max(tile_rows, acc_S, jstart)
                     self._softmax(tile_rows, acc_S, corr)
                     warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
                     pipe_v.consumer_release(v_prev)
@@ -719,27 +739,43 @@ class OSKForward:
                 kst = self._k_state(Int32(0))
                 pipe_k.consumer_wait(kst)
                 cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
+                acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
                 warpgroup.wait_group(0)
                 pipe_k.consumer_release(kst)
                 j_pending = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask_and_vote(tile_rows, acc_S, 0, j_pending)  # the first block is never skipped
+                self._block_max(tile_rows, acc_S, j_pending)  # the first block is never skipped
                 self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 computed = Int32(1)
                 pending = cutlass.Boolean(True)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
+                # S of the block being voted on: its low 64 keys computed one iteration ahead
+                acc_lo = cute.make_tensor(acc_S.iterator, half_layout)
+                acc_hi = cute.make_tensor(acc_S.iterator + cute.size(half_layout), half_layout)
+                acc_next = cute.make_rmem_tensor(half_layout.shape, Float32)
+                if num_sel > 1:
+                    pipe_k.consumer_wait(self._k_state(Int32(1)))
+                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, self._k_state(Int32(1)).index, acc_next)
+                warpgroup.wait_group(0)
+                acc_lo.store(acc_next.load())
                 for it in cutlass.range(1, num_sel, unroll=1):
                     jstart = j_next * TILE_N
                     j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     kst = self._k_state(it)
                     v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
-                    pipe_k.consumer_wait(kst)
-                    acc_S = self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index)
+                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, kst.index, acc_hi)
                     warpgroup.wait_group(0)
                     pipe_k.consumer_release(kst)
-                    skip = self._mask_and_vote(tile_rows, acc_S, it, jstart)
+                    want = self._block_max(tile_rows, acc_S, jstart)
+                    # the next block's low half runs under the vote (issued on every path, past the
+                    # last block on a stale stage whose result is never read)
+                    knext = self._k_state(it + 1)
+                    if it + 1 < num_sel:
+                        pipe_k.consumer_wait(knext)
+                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
+                    skip = self._vote(tile_rows, want)
                     if ctid == 0:
                         pipe_decision.producer_acquire(d_state)
                         sDecision[d_state.index] = Int32(skip)
@@ -752,9 +788,9 @@ class OSKForward:
                         skipped = skipped + 1
                     else:
                         self._softmax(tile_rows, acc_S, corr)
-                    # PV(j-1) done: O may be rescaled, P and V(j-1) reused (waited on every
-                    # path, so that ptxas sees O's readers ordered after it and does not
-                    # serialise the wgmmas)
+                    # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
+                    # (waited on every path, so that ptxas sees O's readers ordered after it and
+                    # does not serialise the wgmmas)
                     warpgroup.wait_group(0)
                     if pending:
                         pipe_v.consumer_release(v_pending)
@@ -766,6 +802,7 @@ class OSKForward:
                         j_pending = jstart
                         self._rescale_o(acc_O_mn, corr)
                         rP.store(acc_S.load().to(dtype))
+                    acc_lo.store(acc_next.load())
                 if pending:
                     v_pending = self._v_state(computed - 1)
                     self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
