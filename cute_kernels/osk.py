@@ -254,7 +254,7 @@ class OSKForward:
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N),
         )
-        # QK in two 64-key halves (stage-2 loop): the next block's first half runs under the vote
+        # QK in two 64-key halves (stage-2 loop): the next block's low half runs under the vote
         tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N // 2),
@@ -755,9 +755,10 @@ class OSKForward:
                 acc_lo = cute.make_tensor(acc_S.iterator, half_layout)
                 acc_hi = cute.make_tensor(acc_S.iterator + cute.size(half_layout), half_layout)
                 acc_next = cute.make_rmem_tensor(half_layout.shape, Float32)
+                knext = self._k_state(Int32(1))
                 if num_sel > 1:
-                    pipe_k.consumer_wait(self._k_state(Int32(1)))
-                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, self._k_state(Int32(1)).index, acc_next)
+                    pipe_k.consumer_wait(knext)
+                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
                 warpgroup.wait_group(0)
                 acc_lo.store(acc_next.load())
                 for it in cutlass.range(1, num_sel, unroll=1):
