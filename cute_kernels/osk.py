@@ -40,14 +40,14 @@ One CTA of three warp groups (384 threads) owns one work tile = (128-row query t
 query head):
 
 - warp group 0, the producer (register budget lowered with ``setmaxnreg``), loads Q
-  with cp.async; then warp 0 walks the tile's order and, per logical key block j,
+  with cp.async; then warp 3 walks the tile's order and, per logical key block j,
   loads K_j by TMA straight from the paged cache into a 2-stage ring of 128B-swizzled
   smem buffers completed by transaction-count mbarriers (``PipelineTmaAsync``): one
   128-row box when a page holds whole blocks (page size >= 128: a slice of one page),
   else 128/16 boxes of 16 rows (several pages per block; every page size is a multiple
   of 16, so a box never crosses a page).  The order entry and the block's page indices
   are read before the ring slot is acquired, so that their latency hides under that
-  wait.  Warp 1 loads V_j the same way, but with stage 2 on only for the blocks the
+  wait.  Warp 2 loads V_j the same way, but with stage 2 on only for the blocks the
   consumers' vote computes (decisions reach it through a small smem ring,
   ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
   past kv_len inside a page, so for a partial last block the consumers zero those V
@@ -128,6 +128,11 @@ BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 2
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
+# A warp runs on SM sub-partition (SMSP) warp % 4 and shares its issue slots with one warp of
+# each consumer group.  The stage-2 vote waits for the slowest consumer warp, and consumer warp 0
+# (SMSP 0) posts the decisions, so the loaders run on SMSPs 3 and 2 (bench/NOTES.md, session 8)
+K_PRODUCER_WARP = 3
+V_PRODUCER_WARP = 2
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
 
@@ -598,7 +603,7 @@ class OSKForward:
             pipe_q.producer_commit(q_state)
 
             page_mask = (Int32(1) << page_shift) - 1
-            if warp_idx == 0:
+            if warp_idx == K_PRODUCER_WARP:
                 # K of every block in the tile's order
                 gK_block, gK_box = self._box_views(tma_atom_K_block, tma_atom_K_box, mK_block, mK_box, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
@@ -610,7 +615,7 @@ class OSKForward:
                     self._load_block(pipe_k, k_state, tma_atom_K_block, gK_block, tma_atom_K_box, gK_box, sK,
                                      pages, j * TILE_N, page_shift, page_mask)
                     k_state.advance()
-            elif warp_idx == 1:
+            elif warp_idx == V_PRODUCER_WARP:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
                 gV_block, gV_box = self._box_views(tma_atom_V_block, tma_atom_V_box, mV_block, mV_box, kv_head)
