@@ -77,9 +77,12 @@ def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
 
 
 def load_variant(path: str):
-    """The kernel module at ``path``, registered in ``sys.modules`` first (dataclasses look their
-    module up there while the module runs)."""
-    spec = importlib.util.spec_from_file_location("osk_variant", path)
+    """The kernel module at ``path`` as a module of ``cosa.cute_kernels``, so that a verbatim copy
+    of osk.py (``from .aot import ...``) loads too, registered in ``sys.modules`` first
+    (dataclasses look their module up there while the module runs)."""
+    import cosa.cute_kernels  # noqa: F401  (the parent package of the relative imports)
+
+    spec = importlib.util.spec_from_file_location("cosa.cute_kernels.osk_variant", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

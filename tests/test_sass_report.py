@@ -90,3 +90,14 @@ def test_a_kernel_variant_with_a_dataclass_loads(tmp_path):
                        "    n: int\n\n\ndef compile_config(dtype, head_dim, use_tvm_ffi=False):\n"
                        "    return Rows(head_dim)\n")
     assert load_variant(str(variant)).compile_config("bfloat16", 128).n == 128
+
+
+def test_a_verbatim_copy_of_the_kernel_module_loads(tmp_path):
+    """--kernel FILE with a copy of osk.py itself (e.g. from ``git show REV:cute_kernels/osk.py``):
+    its relative imports resolve against cosa.cute_kernels."""
+    variant = tmp_path / "osk_copy.py"
+    variant.write_text("from .aot import load_kernel\n\n\ndef compile_config(dtype, head_dim, use_tvm_ffi=False):\n"
+                       "    return load_kernel\n")
+    from cosa.cute_kernels.aot import load_kernel
+
+    assert load_variant(str(variant)).compile_config("bfloat16", 128) is load_kernel
