@@ -6,11 +6,15 @@ NOTES.md come from here; a kernel variant is judged here before it costs device 
 
     python bench/sass_report.py [--dtype bfloat16] [--head-dim 128] [--kernel FILE.py]
                                 [--ptxas PATH] [--cuobjdump PATH] [--ptx-version 9.0] [--save DIR]
+                                [--same-as FILE.py]
 
 ``--kernel``: a variant of ``cute_kernels/osk.py`` (same ``compile_config``) instead of the
 installed one.  ptxas and cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
 ``--ptx-version`` rewrites the PTX's ``.version`` line when the DSL emits a newer one than
 that ptxas reads.  ``--save DIR`` keeps the PTX, the cubin and the SASS listing.
+``--same-as FILE.py``: also compile that version (say ``git show REV:cute_kernels/osk.py``)
+and exit 1 unless the two SASS listings hold the same instructions at the same addresses --
+the proof that a change to comments or names left the tested device code as it was.
 """
 
 from __future__ import annotations
@@ -49,6 +53,16 @@ def parse_sass(listing: str) -> list[tuple[int, str]]:
         if m:
             out.append((int(m.group(1), 16), m.group(2)))
     return out
+
+
+def first_difference(a: list[tuple[int, str]], b: list[tuple[int, str]]) -> str | None:
+    """None when two parsed listings are the same code, else where they first part."""
+    for x, y in zip(a, b):
+        if x != y:
+            return f"{x[0]:#07x}: {x[1]}  |  {y[0]:#07x}: {y[1]}"
+    if len(a) != len(b):
+        return f"{len(a)} against {len(b)} instructions"
+    return None
 
 
 def opcode(instruction: str) -> str:
@@ -121,6 +135,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     parser.add_argument("--ptx-version", help="rewrite the PTX's .version line to this")
     parser.add_argument("--save", help="directory to keep the PTX, cubin and SASS in")
+    parser.add_argument("--same-as", help="another version of osk.py: exit 1 unless its SASS is this one's")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as scratch:
@@ -134,6 +149,12 @@ def main(argv=None) -> int:
         report = _run([args.ptxas, "-arch=sm_90a", "-v", str(work / "kernel.ptx"), "-o", str(work / "kernel.cubin")])
         listing = _run([args.cuobjdump, "-sass", str(work / "kernel.cubin")])
         (work / "kernel.sass").write_text(listing)
+        if args.same_as:
+            # its own process: the DSL reads its dump directory once
+            _run([sys.executable, __file__, "--kernel", args.same_as, "--dtype", args.dtype,
+                  "--head-dim", str(args.head_dim), "--ptxas", args.ptxas, "--cuobjdump", args.cuobjdump,
+                  "--save", str(work / "same_as")] + (["--ptx-version", args.ptx_version] if args.ptx_version else []))
+            other = parse_sass((work / "same_as" / "kernel.sass").read_text())
 
     print(f"OSK {args.dtype} d{args.head_dim} ({args.kernel or 'installed'}), sm_90a")
     for line in report.splitlines():
@@ -147,6 +168,11 @@ def main(argv=None) -> int:
     for loop in wgmma_loops(instructions):
         print(f"  {loop.start:#07x}-{loop.end:#07x} {loop.instructions:12d} {loop.hgmma:6d} "
               f"{loop.r2ur:5d} {loop.local:7d}")
+    if args.same_as:
+        difference = first_difference(instructions, other)
+        print(f"  SASS {'identical to' if difference is None else 'differs from'} {args.same_as}"
+              + ("" if difference is None else f": {difference}"))
+        return 0 if difference is None else 1
     return 0
 
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sass_report import Loop, load_variant, parse_sass, wgmma_loops  # noqa: E402
+from sass_report import Loop, first_difference, load_variant, parse_sass, wgmma_loops  # noqa: E402
 
 FILLER = ("FADD R4, R4, R5", "@P0 IMAD R6, R7, R8, R9", "UIADD3 UR4, UR4, 0x1, URZ", "FMNMX R2, R2, R3, !PT")
 
@@ -101,3 +101,11 @@ def test_a_verbatim_copy_of_the_kernel_module_loads(tmp_path):
     from cosa.cute_kernels.aot import load_kernel
 
     assert load_variant(str(variant)).compile_config("bfloat16", 128) is load_kernel
+
+
+def test_first_difference_names_where_two_listings_part():
+    a = [(0x10, "IADD3 R1, R2, R3"), (0x20, "HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], RZ")]
+    assert first_difference(a, list(a)) is None
+    moved = [(0x10, "IADD3 R1, R2, R3"), (0x30, a[1][1])]
+    assert first_difference(a, moved) == f"0x00020: {a[1][1]}  |  0x00030: {a[1][1]}"
+    assert first_difference(a, a[:1]) == "2 against 1 instructions"
