@@ -131,7 +131,7 @@ DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V pr
 # A warp runs on SM sub-partition (SMSP) warp % 4 and shares its issue slots with one warp of
 # each consumer group.  The stage-2 vote waits for the slowest consumer warp: with the loaders on
 # SMSPs 0 and 1, consumer group 0 and its warp 0 (which also posts the decisions) reached it
-# last, and on SMSPs 3 and 2 skip-heavy tiles run 3-8% faster (bench/NOTES.md, session 8)
+# last, and on SMSPs 3 and 2 skip-all runs take 2-11% less time (bench/NOTES.md, session 8)
 K_PRODUCER_WARP = 3
 V_PRODUCER_WARP = 2
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
