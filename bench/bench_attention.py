@@ -18,7 +18,8 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ B2_BUDGET = 0.25
 SKIP_ALL_DELTA = 1e30      # threshold ln(1e30/kv_len) > any logit gain: all but the first block skip
 FORCED_ONLY_BUDGET = 1e-9  # selects the forced (local and sink) blocks only
 REFERENCE_MAX_SEQ = 8192   # longest sequence timed when cosa.run falls back to the torch reference
+PROXY_GRAPH_CALLS = 10     # proxy calls per CUDA-graph replay
 
 FA4_DENSE, SDPA, FA4_PAGED = "fa4 dense", "sdpa cudnn", "fa4 dense paged"
 DENSE_PEERS = (FA4_DENSE, SDPA)
@@ -208,9 +210,9 @@ def format_targets(targets: list[Target]) -> str:
 
 # ----------------------------------------------------------------------------- measuring
 
-def time_ms(fn, warmup: int, repeats: int) -> float:
-    """Median CUDA-event time of ``fn`` in ms after ``warmup`` calls (the first compiles).
-    Calls run back to back; L2 is not flushed between them."""
+def time_samples(fn, warmup: int, repeats: int) -> list[float]:
+    """CUDA-event times in ms of ``repeats`` back-to-back calls of ``fn``, after ``warmup`` calls
+    (the first compiles).  L2 is not flushed between calls."""
     for _ in range(warmup):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -221,13 +223,17 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
         fn()
         end.record()
     torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events)
+    return [start.elapsed_time(end) for start, end in events]
 
 
-def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 10) -> float:
-    """GPU time of ``fn`` in ms: ``calls`` calls captured in one CUDA graph, the median replay
-    time (``time_ms``) over ``calls``.  For work shorter than its own launch from Python,
-    which back-to-back eager calls would time instead."""
+def time_ms(fn, warmup: int, repeats: int) -> float:
+    """The median of ``time_samples``."""
+    return statistics.median(time_samples(fn, warmup, repeats))
+
+
+def capture_graph(fn, warmup: int, calls: int) -> torch.cuda.CUDAGraph:
+    """``calls`` calls of ``fn`` captured in one CUDA graph, after ``warmup`` eager calls: a replay
+    times work shorter than its own launch from Python, which back-to-back eager calls would not."""
     for _ in range(warmup):
         fn()
     side = torch.cuda.Stream()
@@ -239,7 +245,57 @@ def graph_time_ms(fn, warmup: int, repeats: int, calls: int = 10) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
-    return time_ms(graph.replay, 1, repeats) / calls
+    return graph
+
+
+@dataclass
+class Timed:
+    """A row waiting for its time: ``call`` is what is timed, and it runs the row's work ``calls``
+    times (a graph replay)."""
+    row: Row
+    call: Callable[[], object]
+    calls: int = 1
+    samples: list[float] = field(default_factory=list)
+
+
+class Unavailable(RuntimeError):
+    """A peer that is not installed: its rows say so, without a traceback."""
+
+
+def failure_row(seq: int, page: int | None, name: str, error: Exception) -> Row:
+    """A row that says why it was not measured (with the traceback on stderr, unless the peer is
+    simply not installed)."""
+    if not isinstance(error, Unavailable):
+        traceback.print_exception(error, file=sys.stderr)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    message = (str(error).splitlines() or [""])[0][:100]
+    return Row(seq, page, name, None, note=f"{type(error).__name__}: {message}")
+
+
+def time_in_rounds(group: list[Timed | Row], rounds: int, sample) -> list[Row]:
+    """The group's rows with their times.  Each of ``rounds`` rounds takes ``sample(call)`` (a list
+    of times in ms) of every row once, in order, so that peers and CoSA rows see the same spread
+    of clock and power state, which drift during a run (a row timed in one stretch would carry
+    that stretch's drift alone); a row's time is the median over all its samples, per call.  A
+    row whose call raises becomes one that says why."""
+    failed: dict[int, Row] = {}
+    for _ in range(rounds):
+        for item in group:
+            if isinstance(item, Timed) and id(item) not in failed:
+                try:
+                    item.samples += sample(item.call)
+                except Exception as error:  # noqa: BLE001 - one broken row does not end the run
+                    failed[id(item)] = failure_row(item.row.seq, item.row.page, item.row.name, error)
+    rows = []
+    for item in group:
+        if isinstance(item, Row):
+            rows.append(item)
+        elif id(item) in failed:
+            rows.append(failed[id(item)])
+        else:
+            rows.append(dataclasses.replace(item.row, ms=statistics.median(item.samples) / item.calls))
+    return rows
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -308,12 +364,9 @@ def fa4_block_sparse_tensors(block_sparsity, plan_: cosa.Plan):
         full_block_idx=full_idx, block_size=(BLOCK, BLOCK))
 
 
-class Unavailable(RuntimeError):
-    """A peer that is not installed: its rows say so, without a traceback."""
-
-
 class Runner:
-    """Measures every row of one invocation; prints each as it lands."""
+    """Measures every row of one invocation, one sequence length at a time; prints each row as
+    its length's rounds end."""
 
     def __init__(self, args):
         self.args = args
@@ -323,28 +376,22 @@ class Runner:
         self.uses_kernel = Paged.build(probe, probe, BLOCK, torch.Generator()).plan(1.0, 0.0).uses_kernel
         self.calibration: dict[int, dict] = {}    # seq -> the b2 row's delta and its origin, or an error
 
-    def time(self, fn) -> float:
-        return time_ms(fn, self.args.warmup, self.args.repeats)
-
     def add(self, row: Row) -> None:
         self.rows.append(row)
         print(format_row(row), flush=True)
 
-    def attempt(self, seq: int, page: int | None, name: str, measure):
-        """Adds the row ``measure()`` returns as ``(row, output)`` and returns the output; a failure
-        becomes a row that says why, so that one broken peer does not end the run."""
+    @staticmethod
+    def prepare(group: list[Timed | Row], seq: int, page: int | None, name: str, build):
+        """Appends what ``build()`` returns as ``(timed, output)`` to ``group`` and returns the
+        output; a failure becomes a row that says why, so that one broken peer does not end the run."""
         try:
-            row, out = measure()
+            timed, out = build()
         except Exception as error:  # noqa: BLE001
-            if not isinstance(error, Unavailable):
-                traceback.print_exc(file=sys.stderr)
-            torch.cuda.empty_cache()
-            message = (str(error).splitlines() or [""])[0][:100]
-            row, out = Row(seq, page, name, None, note=f"{type(error).__name__}: {message}"), None
-        self.add(row)
+            timed, out = failure_row(seq, page, name, error), None
+        group.append(timed)
         return out
 
-    # --- peers
+    # --- peers (each builder makes its first call, which compiles, and returns the row to time)
 
     def _fa4(self):
         if self.fa4 is None:
@@ -357,7 +404,7 @@ class Runner:
         def call():
             return fa4.flash_attn_func(q4, k4, v4, softmax_scale=sm_scale, causal=True)
         out = call()[0][0]
-        return Row(seq, None, FA4_DENSE, self.time(call), dense_causal_flops(seq), 1.0, 1.0), out
+        return Timed(Row(seq, None, FA4_DENSE, None, dense_causal_flops(seq), 1.0, 1.0), call), out
 
     def fa4_paged(self, seq, q, paged: Paged, sm_scale):
         fa4, q4, page_table = self._fa4(), q[None], paged.kv_indices[None]
@@ -365,7 +412,8 @@ class Runner:
         def call():
             return fa4.flash_attn_varlen_func(q4, *paged.cache, page_table=page_table,
                                               softmax_scale=sm_scale, causal=True)
-        return Row(seq, paged.page_size, FA4_PAGED, self.time(call), dense_causal_flops(seq), 1.0, 1.0), None
+        call()
+        return Timed(Row(seq, paged.page_size, FA4_PAGED, None, dense_causal_flops(seq), 1.0, 1.0), call), None
 
     def fa4_block_sparse(self, seq, q, k, v, plan_, sm_scale):
         fa4, q4, k4, v4 = self._fa4(), q[None], k[None], v[None]
@@ -377,25 +425,29 @@ class Runner:
         out = call()[0][0]
         density = plan_.stats().density_stage1
         computed = int(blocks.mask_block_cnt.sum() + blocks.full_block_cnt.sum())
-        return Row(seq, None, fa4_block_sparse_name(plan_.budget), self.time(call), computed * BLOCK_FLOPS,
-                   density, density, computed), out
+        row = Row(seq, None, fa4_block_sparse_name(plan_.budget), None, computed * BLOCK_FLOPS, density, density,
+                  computed)
+        return Timed(row, call), out
 
     def sdpa(self, seq, q, k, v, sm_scale):
         from torch.nn.attention import SDPBackend, sdpa_kernel
         qt, kt, vt = (x[None].transpose(1, 2) for x in (q, k, v))     # [1, heads, seq, d] views
 
-        def timed(kt, vt, gqa):
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return self.time(lambda: F.scaled_dot_product_attention(
-                    qt, kt, vt, is_causal=True, scale=sm_scale, enable_gqa=gqa))
-        note = ""
+        def attention(kt, vt, gqa):
+            def call():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=sm_scale,
+                                                          enable_gqa=gqa)
+            return call
+        note, call = "", attention(kt, vt, True)
         try:
-            ms = timed(kt, vt, True)
+            call()
         except RuntimeError:    # cuDNN without GQA: repeat the kv heads outside the timed region
             group = NUM_QO_HEADS // NUM_KV_HEADS
-            ms = timed(kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1), False)
+            call = attention(kt.repeat_interleave(group, 1), vt.repeat_interleave(group, 1), False)
+            call()
             note = "K/V heads repeated: cuDNN refused GQA"
-        return Row(seq, None, SDPA, ms, dense_causal_flops(seq), 1.0, 1.0, note=note), None
+        return Timed(Row(seq, None, SDPA, None, dense_causal_flops(seq), 1.0, 1.0, note=note), call), None
 
     # --- cosa
 
@@ -403,22 +455,29 @@ class Runner:
         """``check``: ``(name, output)`` of a peer computing the same blocks, for the note."""
         plan_ = paged.plan(budget, delta)
         out = torch.empty_like(q)
-        ms = self.time(lambda: cosa.run(plan_, q, paged.cache, out=out))
+
+        def call():
+            return cosa.run(plan_, q, paged.cache, out=out)
+        call()
         stats = plan_.stats()
         computed = int(stats.computed.sum())
         if check is not None and check[1] is not None:
             note = f"err {rel_err(out, check[1]):.1e} vs {check[0]}"
-        return Row(seq, paged.page_size, name, ms, computed * BLOCK_FLOPS, stats.density_stage1,
-                   stats.density_stage2, computed, int(stats.skipped.sum()), delta, note), None
+        row = Row(seq, paged.page_size, name, None, computed * BLOCK_FLOPS, stats.density_stage1,
+                  stats.density_stage2, computed, int(stats.skipped.sum()), delta, note)
+        return Timed(row, call), None
 
     def proxy(self, seq, paged: Paged, q):
         plan_ = paged.plan(B2_BUDGET, 0.0)
-        call = lambda: cosa.order_mask(plan_, q, paged.cache)  # noqa: E731
-        eager = self.time(call)
+
+        def call():
+            return cosa.order_mask(plan_, q, paged.cache)
         if plan_.rank_kernel is None:  # the torch path: its host loop is part of its time
-            return Row(seq, paged.page_size, PROXY, eager, note="torch path"), None
-        gpu = graph_time_ms(call, self.args.warmup, self.args.repeats)
-        return Row(seq, paged.page_size, PROXY, gpu, note=f"eager call {eager:.3f} ms"), None
+            return Timed(Row(seq, paged.page_size, PROXY, None, note="torch path"), call), None
+        eager = time_ms(call, self.args.warmup, self.args.repeats)
+        graph = capture_graph(call, self.args.warmup, PROXY_GRAPH_CALLS)
+        row = Row(seq, paged.page_size, PROXY, None, note=f"eager call {eager:.3f} ms")
+        return Timed(row, graph.replay, PROXY_GRAPH_CALLS), None
 
     def calibrate(self, seqs, paged: Paged, q, origin: str) -> None:
         """The b2 row's delta (stage-2 density B2 at budget B2_BUDGET) on ``q``, for ``seqs``; untimed."""
@@ -446,53 +505,58 @@ class Runner:
     # --- one sequence length
 
     def measure(self, seq: int) -> None:
+        """Builds every row of ``seq`` (peers, then per page size the paged peer, the proxy, the
+        block-sparse peers and CoSA's rows), then times them all in rounds (``time_in_rounds``)."""
         generator = torch.Generator().manual_seed(self.args.seed + seq)
         q, k, v = structured_qkv(seq, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, generator=generator,
                                  dtype=DTYPE, device="cuda")
         sm_scale = 1.0 / math.sqrt(HEAD_DIM)
-        fa4_dense_out = self.attempt(seq, None, FA4_DENSE, lambda: self.fa4_dense(seq, q, k, v, sm_scale))
-        self.attempt(seq, None, SDPA, lambda: self.sdpa(seq, q, k, v, sm_scale))
+        group: list[Timed | Row] = []
+        fa4_dense_out = self.prepare(group, seq, None, FA4_DENSE, lambda: self.fa4_dense(seq, q, k, v, sm_scale))
+        self.prepare(group, seq, None, SDPA, lambda: self.sdpa(seq, q, k, v, sm_scale))
         fa4_sparse_out = {}
         for page in self.args.page_sizes:
             paged = Paged.build(k, v, page, generator)
-            self.attempt(seq, page, FA4_PAGED, lambda: self.fa4_paged(seq, q, paged, sm_scale))
-            self.attempt(seq, page, PROXY, lambda: self.proxy(seq, paged, q))
+            self.prepare(group, seq, page, FA4_PAGED, lambda: self.fa4_paged(seq, q, paged, sm_scale))
+            self.prepare(group, seq, page, PROXY, lambda: self.proxy(seq, paged, q))
             for budget in BUDGETS:
                 if budget not in fa4_sparse_out:   # the stage-1 mask depends on q and k, not on pages
                     plan_ = paged.plan(budget, 0.0)
                     cosa.order_mask(plan_, q, paged.cache)
-                    fa4_sparse_out[budget] = self.attempt(
-                        seq, None, fa4_block_sparse_name(budget),
+                    fa4_sparse_out[budget] = self.prepare(
+                        group, seq, None, fa4_block_sparse_name(budget),
                         lambda: self.fa4_block_sparse(seq, q, k, v, plan_, sm_scale))
-            self.measure_cosa(seq, paged, q, fa4_dense_out, fa4_sparse_out)
+            self.prepare_cosa(group, seq, paged, q, fa4_dense_out, fa4_sparse_out)
+        sample = lambda call: time_samples(call, self.args.warmup, self.args.repeats)  # noqa: E731
+        for row in time_in_rounds(group, self.args.rounds, sample):
+            self.add(row)
 
-    def measure_cosa(self, seq, paged: Paged, q, fa4_dense_out, fa4_sparse_out) -> None:
+    def prepare_cosa(self, group, seq, paged: Paged, q, fa4_dense_out, fa4_sparse_out) -> None:
         page = paged.page_size
         names = ([COSA_DENSE] + [cosa_name(b, d) for b in BUDGETS for d in DELTAS]
                  + [COSA_B2, COSA_SKIP_ALL, COSA_FORCED])
         if not self.uses_kernel and seq > REFERENCE_MAX_SEQ:
-            for name in names:
-                self.add(Row(seq, page, name, None, note="skipped: cosa.run runs the torch reference"))
+            group += [Row(seq, page, name, None, note="skipped: cosa.run runs the torch reference") for name in names]
             return
         if seq not in self.calibration:
             self.calibrate([seq], paged, q, "this input")
 
-        def attempt(name, budget, delta, check=None, note=""):
-            self.attempt(seq, page, name, lambda: self.cosa_run(seq, name, paged, q, budget, delta, check, note))
+        def prepare(name, budget, delta, check=None, note=""):
+            self.prepare(group, seq, page, name, lambda: self.cosa_run(seq, name, paged, q, budget, delta, check, note))
 
-        attempt(COSA_DENSE, 1.0, 0.0, (FA4_DENSE, fa4_dense_out))
+        prepare(COSA_DENSE, 1.0, 0.0, (FA4_DENSE, fa4_dense_out))
         for budget in BUDGETS:
             for delta in DELTAS:
                 check = (fa4_block_sparse_name(budget), fa4_sparse_out.get(budget)) if delta == 0 else None
-                attempt(cosa_name(budget, delta), budget, delta, check)
+                prepare(cosa_name(budget, delta), budget, delta, check)
         calibration = self.calibration[seq]
         if "delta" in calibration:
-            attempt(COSA_B2, B2_BUDGET, calibration["delta"],
+            prepare(COSA_B2, B2_BUDGET, calibration["delta"],
                     note=f"delta {calibration['delta']:.2e} (calibrated on {calibration['calibrated_on']})")
         else:
-            self.add(Row(seq, page, COSA_B2, None, note=f"no delta: {calibration['error']}"))
-        attempt(COSA_SKIP_ALL, B2_BUDGET, SKIP_ALL_DELTA, note=f"delta {SKIP_ALL_DELTA:g}")
-        attempt(COSA_FORCED, FORCED_ONLY_BUDGET, 0.0, note=f"budget {FORCED_ONLY_BUDGET:g}")
+            group.append(Row(seq, page, COSA_B2, None, note=f"no delta: {calibration['error']}"))
+        prepare(COSA_SKIP_ALL, B2_BUDGET, SKIP_ALL_DELTA, note=f"delta {SKIP_ALL_DELTA:g}")
+        prepare(COSA_FORCED, FORCED_ONLY_BUDGET, 0.0, note=f"budget {FORCED_ONLY_BUDGET:g}")
 
 
 # ----------------------------------------------------------------------------- driver
@@ -502,9 +566,11 @@ def parse_args(argv=None):
     parser.add_argument("--seq-lens", type=int, nargs="+", help="default 8192 32768 131072 (--quick: 8192 32768)")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--json", default="bench_attention.json", help="where to write the results")
-    parser.add_argument("--quick", action="store_true", help="8K and 32K only, 5 repeats")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, help="timed calls per row, median reported (default 10, --quick 5)")
+    parser.add_argument("--quick", action="store_true", help="8K and 32K only")
+    parser.add_argument("--warmup", type=int, default=3, help="calls before each row's timed calls, every round")
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per row and round")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over all rows of a length; a row's time is the median of all its calls")
     parser.add_argument("--calibrate-len", type=int,
                         help="calibrate the b2 row's delta once on a separate sample of this many tokens "
                              "(default: on each length's own input)")
@@ -512,10 +578,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.seq_lens is None:
         args.seq_lens = [8192, 32768] if args.quick else [8192, 32768, 131072]
-    if args.repeats is None:
-        args.repeats = 5 if args.quick else 10
-    if args.warmup < 3 or args.repeats < 5:
-        parser.error("need --warmup >= 3 and --repeats >= 5")
+    if args.warmup < 3 or args.repeats < 5 or args.rounds < 1:
+        parser.error("need --warmup >= 3, --repeats >= 5 and --rounds >= 1")
     unit = max([BLOCK] + args.page_sizes)
     for n in args.seq_lens + ([args.calibrate_len] if args.calibrate_len else []):
         if n <= 0 or n % unit:
@@ -546,7 +610,8 @@ def main(argv=None) -> int:
         return 1
     runner = Runner(args)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn.cute {runner.fa4_version}, "
-          f"cosa {cosa.__version__}; warm-up {args.warmup}, median of {args.repeats}, L2 not flushed", flush=True)
+          f"cosa {cosa.__version__}; {args.rounds} rounds of warm-up {args.warmup} and {args.repeats} timed calls "
+          f"per row, medians over all, L2 not flushed", flush=True)
     print(f"cosa.run uses the {'OSK kernel' if runner.uses_kernel else 'torch reference'}", flush=True)
     print(TABLE_HEADER, flush=True)
     started = time.time()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import statistics
 import sys
 from pathlib import Path
 
@@ -41,3 +42,58 @@ def test_skip_cost_ratio_is_none_without_positive_costs(computed_cost, skipped_c
     than one that passes the target."""
     rows = rows_from_costs(0.3, computed_cost, skipped_cost, random.Random())
     assert skip_cost_ratio(*rows) is None
+
+
+def timed_group(rng: random.Random):
+    """Three rows to time (one a graph of several calls) around a row that was never built."""
+    names = ["fa4 dense", "cosa dense", "proxy"]
+    timed = [bench_attention.Timed(Row(8192, 128, name, None, note=name), call=lambda name=name: name,
+                                   calls=rng.choice([1, 10])) for name in names]
+    unbuilt = Row(8192, 16, "sdpa cudnn", None, note="ImportError: no cuDNN")
+    return timed[:1] + [unbuilt] + timed[1:], timed, unbuilt
+
+
+def test_time_in_rounds_interleaves_the_rows_and_takes_each_median_over_all_its_samples():
+    rng = random.Random()
+    group, timed, unbuilt = timed_group(rng)
+    rounds = rng.randrange(2, 5)
+    visits, drawn = [], {t.row.name: [] for t in timed}
+
+    def sample(call):
+        name = call()
+        visits.append(name)
+        times = [rng.uniform(0.1, 10.0) for _ in range(rng.randrange(1, 6))]
+        drawn[name] += times
+        return times
+
+    rows = bench_attention.time_in_rounds(group, rounds, sample)
+    assert visits == [t.row.name for t in timed] * rounds   # every row once per round, in order
+    assert [r.name for r in rows] == [getattr(item, "row", item).name for item in group]
+    assert rows[1] is unbuilt
+    for t in timed:
+        row = next(r for r in rows if r.name == t.row.name)
+        assert row.ms == pytest.approx(statistics.median(drawn[t.row.name]) / t.calls, rel=1e-12)
+        assert row.note == t.row.name      # the rest of the row is kept
+
+
+def test_time_in_rounds_reports_a_row_that_fails_and_times_the_others():
+    rng = random.Random()
+    group, timed, _ = timed_group(rng)
+    rounds, failing_round = 3, rng.randrange(3)
+    broken = rng.choice(timed).row.name
+    visits = []
+
+    def sample(call):
+        name = call()
+        visits.append(name)
+        if name == broken and visits.count(name) == failing_round + 1:
+            raise RuntimeError("CUDA error: an illegal memory access\nmore")
+        return [rng.uniform(0.1, 10.0)]
+
+    rows = bench_attention.time_in_rounds(group, rounds, sample)
+    assert visits.count(broken) == failing_round + 1         # not called again once it failed
+    for row in rows:
+        if row.name == broken:
+            assert row.ms is None and row.note == "RuntimeError: CUDA error: an illegal memory access"
+        elif row.name != "sdpa cudnn":
+            assert row.ms is not None and visits.count(row.name) == rounds
