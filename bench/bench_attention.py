@@ -231,21 +231,28 @@ def time_ms(fn, warmup: int, repeats: int) -> float:
     return statistics.median(time_samples(fn, warmup, repeats))
 
 
-def capture_graph(fn, warmup: int, calls: int) -> torch.cuda.CUDAGraph:
-    """``calls`` calls of ``fn`` captured in one CUDA graph, after ``warmup`` eager calls: a replay
-    times work shorter than its own launch from Python, which back-to-back eager calls would not."""
-    for _ in range(warmup):
-        fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # capture needs a warm-up off the default stream
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
+class GraphCall:
+    """``calls`` calls of ``fn`` captured in one CUDA graph, after ``warmup`` eager calls; calling
+    it replays them.  A replay times work shorter than its own launch from Python, which
+    back-to-back eager calls would not.  It holds ``fn``, and so the tensors the graph reads and
+    writes (a plan made inside a row's builder would otherwise be freed, and the replays would
+    run on reused memory)."""
+
+    def __init__(self, fn, warmup: int, calls: int):
+        for _ in range(warmup):
             fn()
-    return graph
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # capture needs a warm-up off the default stream
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        self.fn, self.graph = fn, torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            for _ in range(calls):
+                fn()
+
+    def __call__(self) -> None:
+        self.graph.replay()
 
 
 @dataclass
@@ -475,9 +482,9 @@ class Runner:
         if plan_.rank_kernel is None:  # the torch path: its host loop is part of its time
             return Timed(Row(seq, paged.page_size, PROXY, None, note="torch path"), call), None
         eager = time_ms(call, self.args.warmup, self.args.repeats)
-        graph = capture_graph(call, self.args.warmup, PROXY_GRAPH_CALLS)
+        graph = GraphCall(call, self.args.warmup, PROXY_GRAPH_CALLS)
         row = Row(seq, paged.page_size, PROXY, None, note=f"eager call {eager:.3f} ms")
-        return Timed(row, graph.replay, PROXY_GRAPH_CALLS), None
+        return Timed(row, graph, PROXY_GRAPH_CALLS), None
 
     def calibrate(self, seqs, paged: Paged, q, origin: str) -> None:
         """The b2 row's delta (stage-2 density B2 at budget B2_BUDGET) on ``q``, for ``seqs``; untimed."""
