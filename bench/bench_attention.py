@@ -19,7 +19,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -262,7 +262,6 @@ class Timed:
     row: Row
     call: Callable[[], object]
     calls: int = 1
-    samples: list[float] = field(default_factory=list)
 
 
 class Unavailable(RuntimeError):
@@ -286,12 +285,13 @@ def time_in_rounds(group: list[Timed | Row], rounds: int, sample) -> list[Row]:
     of clock and power state, which drift during a run (a row timed in one stretch would carry
     that stretch's drift alone); a row's time is the median over all its samples, per call.  A
     row whose call raises becomes one that says why."""
+    samples: dict[int, list[float]] = {id(item): [] for item in group if isinstance(item, Timed)}
     failed: dict[int, Row] = {}
     for _ in range(rounds):
         for item in group:
             if isinstance(item, Timed) and id(item) not in failed:
                 try:
-                    item.samples += sample(item.call)
+                    samples[id(item)] += sample(item.call)
                 except Exception as error:  # noqa: BLE001 - one broken row does not end the run
                     failed[id(item)] = failure_row(item.row.seq, item.row.page, item.row.name, error)
     rows = []
@@ -301,7 +301,7 @@ def time_in_rounds(group: list[Timed | Row], rounds: int, sample) -> list[Row]:
         elif id(item) in failed:
             rows.append(failed[id(item)])
         else:
-            rows.append(dataclasses.replace(item.row, ms=statistics.median(item.samples) / item.calls))
+            rows.append(dataclasses.replace(item.row, ms=statistics.median(samples[id(item)]) / item.calls))
     return rows
 
 
