@@ -69,6 +69,11 @@ def opcode(instruction: str) -> str:
     return _PREDICATE.sub("", instruction).split()[0]
 
 
+def _r2ur_and_local(ops: list[str]) -> tuple[int, int]:
+    """R2UR count and LDL/STL (spill) count of a run of opcodes."""
+    return ops.count("R2UR"), sum(op.startswith(("LDL", "STL")) for op in ops)
+
+
 def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
     """Every backward branch whose body (target .. branch) holds an HGMMA and no EXIT, smallest
     first.  The EXIT test drops the out-of-line retry stubs of mbarrier waits, which ptxas
@@ -85,8 +90,7 @@ def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
         ops = [opcode(t) for _, t in instructions[position[target]:i + 1]]
         hgmma = sum(op.startswith("HGMMA") for op in ops)
         if hgmma and "EXIT" not in ops:
-            loops.append(Loop(target, address, len(ops), hgmma, ops.count("R2UR"),
-                              sum(op.startswith(("LDL", "STL")) for op in ops)))
+            loops.append(Loop(target, address, len(ops), hgmma, *_r2ur_and_local(ops)))
     return sorted(loops, key=lambda loop: (loop.instructions, loop.start))
 
 
@@ -161,9 +165,8 @@ def main(argv=None) -> int:
         if re.search(r"Used \d+ registers|spill|C75\d\d", line):
             print("  " + re.sub(r"in the function '.*'", "", line.replace("ptxas info    : ", "")).strip())
     instructions = parse_sass(listing)
-    ops = [opcode(t) for _, t in instructions]
-    print(f"  {len(instructions)} instructions, {ops.count('R2UR')} R2UR, "
-          f"{sum(op.startswith(('LDL', 'STL')) for op in ops)} LDL/STL")
+    r2ur, local = _r2ur_and_local([opcode(t) for _, t in instructions])
+    print(f"  {len(instructions)} instructions, {r2ur} R2UR, {local} LDL/STL")
     print(f"  {'loop':>17} {'instructions':>12} {'HGMMA':>6} {'R2UR':>5} {'LDL/STL':>7}")
     for loop in wgmma_loops(instructions):
         print(f"  {loop.start:#07x}-{loop.end:#07x} {loop.instructions:12d} {loop.hgmma:6d} "
