@@ -62,7 +62,8 @@ query head):
   waited for first; past the last block it reads a stale stage and is discarded).  With
   delta = 0 (no vote, no skip) a separate loop schedules like FA3: the two groups
   take turns on the tensor cores (two named barriers; one group's GEMMs run under
-  the other's softmax) and each issues PV_{j-1} together with QK_j.
+  the other's softmax) and each issues PV_{j-1} together with QK_j, waiting for V_{j-1}
+  between the two, where the wait hides under QK_j instead of lengthening the softmax path.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
@@ -707,7 +708,10 @@ class OSKForward:
                 self._block_max(tile_rows, acc_S, jstart)
                 self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
-                self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
+                # V is waited for inside a turn, under QK; only a partial block's V, whose tail
+                # zeroing synchronises both groups, is waited for (and zeroed) before the turn
+                if kv_len - jstart < TILE_N:
+                    self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 for it in cutlass.range(1, num_sel, unroll=1):
                     jstart = j_next * TILE_N
                     j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
@@ -717,6 +721,7 @@ class OSKForward:
                     self._sched_wait(wg)
                     acc_S = cute.make_rmem_tensor(s_shape, Float32)
                     self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
+                    pipe_v.consumer_wait(v_prev)
                     self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
@@ -727,9 +732,11 @@ class OSKForward:
                     pipe_v.consumer_release(v_prev)
                     self._rescale_o(acc_O_mn, corr)
                     rP.store(acc_S.load().to(dtype))
-                    self._wait_v(pipe_v, self._v_state(it), tiled_copy_o, sV, ctid, kv_len - jstart)
+                    if kv_len - jstart < TILE_N:
+                        self._wait_v(pipe_v, self._v_state(it), tiled_copy_o, sV, ctid, kv_len - jstart)
                 v_last = self._v_state(num_sel - 1)
                 self._sched_wait(wg)
+                pipe_v.consumer_wait(v_last)
                 self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_last.index)
                 if wg == 0:  # group 1's last wait needs it; group 0 has no wait left
                     self._sched_arrive(wg)
