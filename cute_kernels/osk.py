@@ -64,6 +64,11 @@ query head):
   take turns on the tensor cores (two named barriers; one group's GEMMs run under
   the other's softmax) and each issues PV_{j-1} together with QK_j, waiting for V_{j-1}
   between the two, where the wait hides under QK_j instead of lengthening the softmax path.
+  That loop needs no block max (it decides nothing): P is taken against the running max
+  as it stands, and kept, with no rescale of O, when no thread's sum of a row's P over the
+  block exceeds ``STALE_SUM_MAX`` (then no P does); otherwise the warp redoes the block
+  exactly (max, rescale).  The running max may then lag the true one: it is only the
+  reference of P and of the sums, and the LSE adds it back.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
@@ -118,6 +123,10 @@ NUM_PRODUCER_THREADS = 128
 NUM_THREADS = NUM_CONSUMER_THREADS + NUM_PRODUCER_THREADS
 NUM_CONSUMER_WARPS = NUM_CONSUMER_THREADS // 32
 LOG2_E = 1.4426950408889634
+# The delta = 0 loop keeps a block's P taken against a stale running max while each thread's
+# row sum over the block stays at most this (so P <= 2^8, far inside bf16's and fp16's range);
+# a block that raises the max by more redoes its softmax exactly.
+STALE_SUM_MAX = 256.0
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
 QT_NUM_SELECTED = 7
 BAR_VOTE = 1  # the stage-2 vote (bar.red.or)
@@ -145,7 +154,7 @@ class TileRows:
     them (``row_max``, ``row_sum``, ``mloc``: register tensors they update in place)."""
 
     tScS_mn: cute.Tensor  # (row, column) in the tile of each S element, row/column view
-    row_max: cute.Tensor  # running max of the scaled logits
+    row_max: cute.Tensor  # running max of the scaled logits (the delta = 0 loop lets it lag)
     row_sum: cute.Tensor  # running softmax denominator
     mloc: cute.Tensor     # the current block's row max (unscaled)
     kv_len: Int32
@@ -435,23 +444,42 @@ class OSKForward:
         warpgroup.commit_group()
 
     @cute.jit
-    def _block_max(self, t: TileRows, acc_S, jstart):
-        """Mask S (keys past kv_len, causal), store per-row block maxima in mloc and return
-        this thread's best gain over the running max (what the stage-2 vote tests)."""
+    def _needs_mask(self, t: TileRows, jstart):
+        """Whether block jstart crosses kv_len or the diagonal of the tile's first row (uniform
+        over the tile): only such a block is masked."""
+        return (jstart + TILE_N > t.kv_len) or (t.causal != 0 and jstart + TILE_N - 1 > t.diag0)
+
+    @cute.jit
+    def _mask_row(self, t: TileRows, acc_S_mn, r: cutlass.Constexpr, jstart):
+        """S = -inf in row r for keys past kv_len and, with causal, past the row's diagonal."""
+        lim = t.kv_len - jstart
+        if t.causal != 0:
+            lim = cutlass.min(lim, t.diag0 + t.tScS_mn[r, 0][0] + 1 - jstart)
+        for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
+            if t.tScS_mn[0, c][1] >= lim:
+                acc_S_mn[r, c] = -Float32.inf
+
+    @cute.jit
+    def _mask(self, t: TileRows, acc_S, jstart):
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
-        # masking is needed only for a block that crosses kv_len or the diagonal of the
-        # tile's first row (uniform over the tile)
-        need_mask = (jstart + TILE_N > t.kv_len) or (t.causal != 0 and jstart + TILE_N - 1 > t.diag0)
+        need_mask = self._needs_mask(t, jstart)
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            if need_mask:
+                self._mask_row(t, acc_S_mn, r, jstart)
+
+    @cute.jit
+    def _block_max(self, t: TileRows, acc_S, jstart, masked: cutlass.Constexpr[bool] = False):
+        """Mask S (unless ``masked``: done already), store per-row block maxima in mloc and
+        return this thread's best gain over the running max (what the stage-2 vote tests).
+        Each row is masked right before its max: masking every row first spills in the vote
+        loop."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        need_mask = self._needs_mask(t, jstart)
         want = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            row = t.tScS_mn[r, 0][0]
-            if need_mask:
-                lim = t.kv_len - jstart
-                if t.causal != 0:
-                    lim = cutlass.min(lim, t.diag0 + row + 1 - jstart)
-                for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-                    if t.tScS_mn[0, c][1] >= lim:
-                        acc_S_mn[r, c] = -Float32.inf
+            if cutlass.const_expr(not masked):
+                if need_mask:
+                    self._mask_row(t, acc_S_mn, r, jstart)
             mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
@@ -459,7 +487,7 @@ class OSKForward:
             d = -Float32.inf
             if mx != -Float32.inf:
                 d = mx * t.sm_scale - t.row_max[r]
-            if row < t.rows:
+            if t.tScS_mn[r, 0][0] < t.rows:
                 want = cute.arch.fmax(want, d)
         return want
 
@@ -490,6 +518,32 @@ class OSKForward:
             t.row_sum[r] = t.row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             t.row_max[r] = m_new
             corr[r] = c
+
+    @cute.jit
+    def _softmax_stale(self, t: TileRows, acc_S, rP_mn):
+        """The delta = 0 loop's softmax of masked S without the block's max: P against the
+        running max as it stands, into rP (PV(j-1) must be done).  Kept -- row sums updated,
+        O needing no rescale -- when every thread of the warp sums each of its rows to at most
+        STALE_SUM_MAX; otherwise nothing but rP is written, and the caller redoes the block
+        exactly.  Returns whether it was kept (uniform over the warp)."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
+        ok = cutlass.Boolean(True)
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            m_ref = t.row_max[r]
+            limit = Float32(STALE_SUM_MAX)
+            if m_ref == -Float32.inf:  # no visible key yet: only an all-masked row may pass
+                m_ref = Float32(0.0)
+                limit = Float32(0.0)
+            p = cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_ref * LOG2_E, fastmath=True)
+            block_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            ok = ok and block_sum[r] <= limit  # false for NaN
+            rP_mn[r, None] = p.to(rP_mn.element_type)
+        kept = cute.arch.vote_all_sync(ok)
+        if kept:
+            for r in cutlass.range_constexpr(cute.size(t.mloc)):
+                t.row_sum[r] = t.row_sum[r] + block_sum[r]
+        return kept
 
     @cute.jit
     def _rescale_o(self, acc_O_mn, corr):
@@ -686,6 +740,7 @@ class OSKForward:
             # P of the block whose PV is still to be issued, as the A operand of PV
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
+            rP_mn = cute.make_tensor(rP.iterator, _mn_layout(rP.layout))
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
@@ -726,12 +781,14 @@ class OSKForward:
                     self._sched_arrive(wg)
                     warpgroup.wait_group(1)
                     pipe_k.consumer_release(kst)
-                    self._block_max(tile_rows, acc_S, jstart)
-                    self._softmax(tile_rows, acc_S, corr)
+                    self._mask(tile_rows, acc_S, jstart)
                     warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
                     pipe_v.consumer_release(v_prev)
-                    self._rescale_o(acc_O_mn, corr)
-                    rP.store(acc_S.load().to(dtype))
+                    if not self._softmax_stale(tile_rows, acc_S, rP_mn):
+                        self._block_max(tile_rows, acc_S, jstart, masked=True)
+                        self._softmax(tile_rows, acc_S, corr)
+                        self._rescale_o(acc_O_mn, corr)
+                        rP.store(acc_S.load().to(dtype))
                     if kv_len - jstart < TILE_N:
                         self._wait_v(pipe_v, self._v_state(it), tiled_copy_o, sV, ctid, kv_len - jstart)
                 v_last = self._v_state(num_sel - 1)

@@ -17,6 +17,9 @@ Fresh random inputs every run; each case prints its seed (shown by pytest on fai
 
 from __future__ import annotations
 
+import math
+from functools import partial
+
 import pytest
 import torch
 
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.gpu
 
 if not torch.cuda.is_available():
     pytest.skip("CUDA is not available", allow_module_level=True)
+
+from cosa.cute_kernels import osk  # noqa: E402  (needs the GPU toolchain)
 
 LSE_SENTINEL = 12345.0
 COUNT_SENTINEL = -7
@@ -46,18 +51,40 @@ def skewed_inputs(num_qo_heads, num_kv_heads, head_dim, generator):
     return qkv
 
 
+def falling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, rises):
+    """``make_batch``'s ``qkv`` with a strong attention sink: sharp queries and K's 128-key
+    blocks scaled from 1.5 (block 0) down to 0.1 (the last), so that a tile visits its local
+    blocks first and the forced sink block after them raises the row max far past theirs.
+    Appends to ``rises`` how far, for each request's last row (scaled logits)."""
+    def qkv(_, q_len, kv_len):
+        blocks = -(-kv_len // 128)
+        scale = torch.linspace(1.5, 0.1, blocks, dtype=torch.float64).repeat_interleave(128)[:kv_len]
+        q = 6.0 * torch.randn(q_len, num_qo_heads, head_dim, generator=generator, dtype=torch.float64)
+        k = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        k *= scale[:, None, None]
+        v = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        if q_len > 0 and blocks >= 3:
+            last_row = torch.einsum("hd,khd->hk", q[-1], k.repeat_interleave(num_qo_heads // num_kv_heads, 1))
+            last_row *= head_dim ** -0.5
+            rises.append(float((last_row[:, :128].amax(-1) - last_row[:, (blocks - 2) * 128:].amax(-1)).max()))
+        return q, k, v
+    return qkv
+
+
 def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
-             causal=True, combined=True, spare_pages=3, num_qo_heads=8, skewed=False,
+             causal=True, combined=True, spare_pages=3, num_qo_heads=8, inputs=None,
              dense=False):
     """Run one batch on the GPU and compare it with the float64 reference; returns the
-    stats.  ``dense``: the reference is dense attention (needs budget 1, delta 0)."""
+    stats.  ``inputs``: a factory of ``make_batch``'s ``qkv`` (``skewed_inputs``), called
+    as ``inputs(num_qo_heads, num_kv_heads, head_dim, generator)``.  ``dense``: the
+    reference is dense attention (needs budget 1, delta 0)."""
     seed = torch.seed()
     print(f"seed={seed}")
     g = torch.Generator().manual_seed(seed)
     hkv = num_qo_heads // group
     batch = make_batch(q_lens, kv_lens, num_qo_heads, hkv, head_dim, page_size, layout=layout,
                        combined=combined, dtype=dtype, spare_pages=spare_pages, generator=g,
-                       qkv=skewed_inputs(num_qo_heads, hkv, head_dim, g) if skewed else None)
+                       qkv=inputs(num_qo_heads, hkv, head_dim, g) if inputs else None)
     q = batch.q.cuda()
     cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
     plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
@@ -145,7 +172,7 @@ def test_ordered_skip_matches_reference(dtype, head_dim, page_size, layout, grou
                                         spare_pages):
     stats = run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout,
                      group=group, combined=combined, spare_pages=spare_pages, q_lens=RAGGED_Q,
-                     kv_lens=RAGGED_KV, budget=0.7, delta=0.5, skewed=True)
+                     kv_lens=RAGGED_KV, budget=0.7, delta=0.5, inputs=skewed_inputs)
     assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
 
 
@@ -155,6 +182,20 @@ def test_ordered_skip_matches_reference(dtype, head_dim, page_size, layout, grou
 def test_full_budget_no_skip_equals_dense(dtype, head_dim, page_size, layout):
     run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=4,
              q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=1.0, delta=0.0, dense=True)
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout,budget", [
+    (torch.bfloat16, 128, 16, "NHD", 1.0), (torch.float16, 64, 128, "HND", 0.6),
+])
+def test_delta_zero_with_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget):
+    # The delta = 0 loop takes P against the running max as it stands and redoes a block
+    # exactly when the block raises it by more than osk.STALE_SUM_MAX allows: the sink block,
+    # visited after the local ones, does here.
+    rises = []
+    run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
+             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=budget, delta=0.0,
+             inputs=partial(falling_inputs, rises=rises), dense=budget == 1.0)
+    assert max(rises) > math.log(osk.STALE_SUM_MAX), "the sink must raise some row's max past the limit"
 
 
 def test_non_causal_equals_dense():
