@@ -47,7 +47,8 @@ query head):
   else 128/16 boxes of 16 rows (several pages per block; every page size is a multiple
   of 16, so a box never crosses a page).  The order entry and the block's page indices
   are read before the ring slot is acquired, so that their latency hides under that
-  wait.  Warp 2 loads V_j the same way, but with stage 2 on only for the blocks the
+  wait.  Warp 2 loads V_j the same way (into a 3-stage ring: the delta = 0 loop frees
+  V_{j-1} one block late), but with stage 2 on only for the blocks the
   consumers' vote computes (decisions reach it through a small smem ring,
   ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
   past kv_len inside a page, so for a partial last block the consumers zero those V
@@ -64,6 +65,9 @@ query head):
   take turns on the tensor cores (two named barriers; one group's GEMMs run under
   the other's softmax) and each issues PV_{j-1} together with QK_j, waiting for V_{j-1}
   between the two, where the wait hides under QK_j instead of lengthening the softmax path.
+  P alternates between two register buffers, so that P_j is written while PV_{j-1} still
+  reads P_{j-1}: the softmax never waits for PV_{j-1} (only a redo, below, rescales O), and
+  V_{j-1} is freed after the wait that QK_{j+1} needs anyway.
   That loop needs no block max (it decides nothing): P is taken against the running max
   as it stands, and kept, with no rescale of O, when no thread's sum of a row's P over the
   block exceeds ``STALE_SUM_MAX`` (then no P does); otherwise the warp redoes the block
@@ -136,7 +140,7 @@ BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
 BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
-V_STAGES = 2
+V_STAGES = 3  # the delta = 0 loop frees V(j-1) only after QK(j+1): one stage more than K
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
 # A warp runs on SM sub-partition (SMSP) warp % 4 and shares its issue slots with one warp of
 # each consumer group.  The stage-2 vote waits for the slowest consumer warp: with the loaders on
@@ -164,6 +168,29 @@ class TileRows:
     sm_scale: Float32
     scale_log2: Float32   # sm_scale * log2(e)
     thr: Float32          # stage-2 threshold, -inf with stage 2 off
+
+
+@dataclass(frozen=True)
+class PingPong:
+    """What every block of the delta = 0 loop uses, for the two alternating call sites."""
+
+    pipe_k: pipeline.PipelineTmaAsync
+    pipe_v: pipeline.PipelineTmaAsync
+    wg: Int32             # this consumer warp group (0 or 1)
+    tiled_mma_qk: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK: cute.Tensor
+    tiled_mma_pv: cute.TiledMma
+    acc_O: cute.Tensor
+    tOrVt: cute.Tensor
+    corr: cute.Tensor     # a redo's per-row rescale of O
+    mOrder: cute.Tensor
+    qt: Int32
+    head: Int32
+    num_sel: Int32
+    tiled_copy_o: cute.TiledCopy
+    sV: cute.Tensor
+    ctid: Int32
 
 
 def _mn_layout(acc_layout):
@@ -522,10 +549,10 @@ class OSKForward:
     @cute.jit
     def _softmax_stale(self, t: TileRows, acc_S, rP_mn):
         """The delta = 0 loop's softmax of masked S without the block's max: P against the
-        running max as it stands, into rP (PV(j-1) must be done).  Kept -- row sums updated,
-        O needing no rescale -- when every thread of the warp sums each of its rows to at most
-        STALE_SUM_MAX; otherwise nothing but rP is written, and the caller redoes the block
-        exactly.  Returns whether it was kept (uniform over the warp)."""
+        running max as it stands, into rP_mn (a buffer no wgmma in flight reads).  Kept -- row
+        sums updated, O needing no rescale -- when every thread of the warp sums each of its
+        rows to at most STALE_SUM_MAX; otherwise nothing but rP_mn is written, and the caller
+        redoes the block exactly.  Returns whether it was kept (uniform over the warp)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
         ok = cutlass.Boolean(True)
@@ -544,6 +571,36 @@ class OSKForward:
             for r in cutlass.range_constexpr(cute.size(t.mloc)):
                 t.row_sum[r] = t.row_sum[r] + block_sum[r]
         return kept
+
+    @cute.jit
+    def _pingpong_block(self, pp: PingPong, t: TileRows, it, j_next, tOrP_prev, rP_new):
+        """Block ``it`` of the delta = 0 loop: QK(it) with PV(it-1) from tOrP_prev in one turn,
+        then P(it) into the other buffer, rP_new.  Returns the block listed after the next."""
+        jstart = j_next * TILE_N
+        j_next = self._listed_block(pp.mOrder, pp.qt, pp.head, it + 1, pp.num_sel)
+        v_prev = self._v_state(it - 1)
+        kst = self._k_state(it)
+        pp.pipe_k.consumer_wait(kst)
+        self._sched_wait(pp.wg)
+        acc_S = cute.make_rmem_tensor(pp.tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        self._issue_qk(pp.tiled_mma_qk, pp.tSrQ, pp.tSrK, kst.index, acc_S)
+        pp.pipe_v.consumer_wait(v_prev)
+        self._issue_pv(pp.tiled_mma_pv, pp.acc_O, tOrP_prev, pp.tOrVt, v_prev.index)
+        self._sched_arrive(pp.wg)
+        warpgroup.wait_group(1)  # QK(it) done, and PV(it-2) before it: V(it-2) is free
+        pp.pipe_k.consumer_release(kst)
+        if it >= 2:
+            pp.pipe_v.consumer_release(self._v_state(it - 2))
+        self._mask(t, acc_S, jstart)
+        if not self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout))):
+            self._block_max(t, acc_S, jstart, masked=True)
+            self._softmax(t, acc_S, pp.corr)
+            warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
+            self._rescale_o(cute.make_tensor(pp.acc_O.iterator, _mn_layout(pp.acc_O.layout)), pp.corr)
+            rP_new.store(acc_S.load().to(rP_new.element_type))
+        if t.kv_len - jstart < TILE_N:
+            self._wait_v(pp.pipe_v, self._v_state(it), pp.tiled_copy_o, pp.sV, pp.ctid, t.kv_len - jstart)
+        return j_next
 
     @cute.jit
     def _rescale_o(self, acc_O_mn, corr):
@@ -737,10 +794,10 @@ class OSKForward:
             corr = cute.make_rmem_tensor((n_my_rows,), Float32)
             tile_rows = TileRows(tScS_mn, row_max, row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
                                  scale_log2, thr)
-            # P of the block whose PV is still to be issued, as the A operand of PV
+            # P of the block whose PV is still to be issued, as the A operand of PV (the delta = 0
+            # loop alternates rP with rP_alt)
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
-            rP_mn = cute.make_tensor(rP.iterator, _mn_layout(rP.layout))
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
@@ -767,37 +824,26 @@ class OSKForward:
                 # zeroing synchronises both groups, is waited for (and zeroed) before the turn
                 if kv_len - jstart < TILE_N:
                     self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
-                for it in cutlass.range(1, num_sel, unroll=1):
-                    jstart = j_next * TILE_N
-                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
-                    v_prev = self._v_state(it - 1)
-                    kst = self._k_state(it)
-                    pipe_k.consumer_wait(kst)
-                    self._sched_wait(wg)
-                    acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                    self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
-                    pipe_v.consumer_wait(v_prev)
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
-                    self._sched_arrive(wg)
-                    warpgroup.wait_group(1)
-                    pipe_k.consumer_release(kst)
-                    self._mask(tile_rows, acc_S, jstart)
-                    warpgroup.wait_group(0)  # PV(j-1) done: O may be rescaled, P and V(j-1) reused
-                    pipe_v.consumer_release(v_prev)
-                    if not self._softmax_stale(tile_rows, acc_S, rP_mn):
-                        self._block_max(tile_rows, acc_S, jstart, masked=True)
-                        self._softmax(tile_rows, acc_S, corr)
-                        self._rescale_o(acc_O_mn, corr)
-                        rP.store(acc_S.load().to(dtype))
-                    if kv_len - jstart < TILE_N:
-                        self._wait_v(pipe_v, self._v_state(it), tiled_copy_o, sV, ctid, kv_len - jstart)
+                rP_alt = cute.make_fragment_like(rP)
+                tOrP_alt = cute.make_tensor(rP_alt.iterator, _frgA_layout(rP_alt.layout))
+                pp = PingPong(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, tiled_mma_pv, acc_O, tOrVt, corr,
+                              mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
+                for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
+                    j_next = self._pingpong_block(pp, tile_rows, it, j_next, tOrP, rP_alt)
+                    if it + 1 < num_sel:
+                        j_next = self._pingpong_block(pp, tile_rows, it + 1, j_next, tOrP_alt, rP)
                 v_last = self._v_state(num_sel - 1)
                 self._sched_wait(wg)
                 pipe_v.consumer_wait(v_last)
-                self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_last.index)
+                if num_sel % 2 == 1:
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_last.index)
+                else:
+                    self._issue_pv(tiled_mma_pv, acc_O, tOrP_alt, tOrVt, v_last.index)
                 if wg == 0:  # group 1's last wait needs it; group 0 has no wait left
                     self._sched_arrive(wg)
                 warpgroup.wait_group(0)
+                if num_sel > 1:
+                    pipe_v.consumer_release(self._v_state(num_sel - 2))
                 pipe_v.consumer_release(v_last)
                 computed = num_sel
             elif num_sel > 0:
