@@ -180,8 +180,10 @@ class PingPong:
     tiled_mma_qk: cute.TiledMma
     tSrQ: cute.Tensor
     tSrK: cute.Tensor
+    s_shape: tuple        # S's register shape
     tiled_mma_pv: cute.TiledMma
     acc_O: cute.Tensor
+    acc_O_mn: cute.Tensor  # acc_O's row/column view
     tOrVt: cute.Tensor
     corr: cute.Tensor     # a redo's per-row rescale of O
     mOrder: cute.Tensor
@@ -582,7 +584,7 @@ class OSKForward:
         kst = self._k_state(it)
         pp.pipe_k.consumer_wait(kst)
         self._sched_wait(pp.wg)
-        acc_S = cute.make_rmem_tensor(pp.tiled_mma_qk.partition_shape_C((TILE_M, TILE_N)), Float32)
+        acc_S = cute.make_rmem_tensor(pp.s_shape, Float32)
         self._issue_qk(pp.tiled_mma_qk, pp.tSrQ, pp.tSrK, kst.index, acc_S)
         pp.pipe_v.consumer_wait(v_prev)
         self._issue_pv(pp.tiled_mma_pv, pp.acc_O, tOrP_prev, pp.tOrVt, v_prev.index)
@@ -596,7 +598,7 @@ class OSKForward:
             self._block_max(t, acc_S, jstart, masked=True)
             self._softmax(t, acc_S, pp.corr)
             warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
-            self._rescale_o(cute.make_tensor(pp.acc_O.iterator, _mn_layout(pp.acc_O.layout)), pp.corr)
+            self._rescale_o(pp.acc_O_mn, pp.corr)
             rP_new.store(acc_S.load().to(rP_new.element_type))
         if t.kv_len - jstart < TILE_N:
             self._wait_v(pp.pipe_v, self._v_state(it), pp.tiled_copy_o, pp.sV, pp.ctid, t.kv_len - jstart)
@@ -826,8 +828,8 @@ class OSKForward:
                     self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 rP_alt = cute.make_fragment_like(rP)
                 tOrP_alt = cute.make_tensor(rP_alt.iterator, _frgA_layout(rP_alt.layout))
-                pp = PingPong(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, tiled_mma_pv, acc_O, tOrVt, corr,
-                              mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
+                pp = PingPong(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
+                              tOrVt, corr, mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
                 for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
                     j_next = self._pingpong_block(pp, tile_rows, it, j_next, tOrP, rP_alt)
                     if it + 1 < num_sel:
