@@ -60,7 +60,11 @@ query head):
   block late so that it runs under the next block's vote and softmax.  The vote
   loop computes S in two 64-key halves: the next block's low half is issued right
   before this block's vote, so that it runs under the vote (the K block behind it is
-  waited for first; past the last block it reads a stale stage and is discarded).  With
+  waited for first; past the last block it reads a stale stage and is discarded), and
+  its high half as soon as this block's S is dead, before the loop top.  That loop
+  knows each computed block's max before its softmax, so it keeps P's reference (and O
+  unrescaled) while no P of the block would exceed 2^8 against it; the skip rule reads
+  the exact running max, kept beside it.  With
   delta = 0 (no vote, no skip) a separate loop schedules like FA3: the two groups
   take turns on the tensor cores (two named barriers; one group's GEMMs run under
   the other's softmax) and each issues PV_{j-1} together with QK_j, waiting for V_{j-1}
@@ -71,8 +75,8 @@ query head):
   That loop needs no block max (it decides nothing): P is taken against the running max
   as it stands, and kept, with no rescale of O, when no thread's sum of a row's P over the
   block exceeds ``STALE_SUM_MAX`` (then no P does); otherwise the warp redoes the block
-  exactly (max, rescale).  The running max may then lag the true one: it is only the
-  reference of P and of the sums, and the LSE adds it back.
+  exactly (max, rescale).  In both loops the reference may lag the running max: P, the
+  sums and O are taken against it, and the LSE adds it back.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
@@ -127,9 +131,10 @@ NUM_PRODUCER_THREADS = 128
 NUM_THREADS = NUM_CONSUMER_THREADS + NUM_PRODUCER_THREADS
 NUM_CONSUMER_WARPS = NUM_CONSUMER_THREADS // 32
 LOG2_E = 1.4426950408889634
-# The delta = 0 loop keeps a block's P taken against a stale running max while each thread's
-# row sum over the block stays at most this (so P <= 2^8, far inside bf16's and fp16's range);
-# a block that raises the max by more redoes its softmax exactly.
+# P may be taken against a reference below the running max while it stays at most this (2^8,
+# far inside bf16's and fp16's range), so that O needs no rescale.  The delta = 0 loop, which
+# takes no block max, keeps a block while each thread's row sum over it stays at most this, and
+# otherwise redoes its softmax exactly; the stage-2 loop knows the block max and tests it.
 STALE_SUM_MAX = 256.0
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
 QT_NUM_SELECTED = 7
@@ -155,10 +160,13 @@ CONSUMER_REGS = 232
 @dataclass(frozen=True)
 class TileRows:
     """A consumer thread's rows of its tile, as masking, the vote and the online softmax see
-    them (``row_max``, ``row_sum``, ``mloc``: register tensors they update in place)."""
+    them (``row_ref``, ``row_max``, ``row_sum``, ``mloc``: register tensors they update in
+    place)."""
 
     tScS_mn: cute.Tensor  # (row, column) in the tile of each S element, row/column view
-    row_max: cute.Tensor  # running max of the scaled logits (the delta = 0 loop lets it lag)
+    row_ref: cute.Tensor  # what P, row_sum and O are taken against (the LSE adds it back): the
+    #                       running max of the scaled logits or, by STALE_SUM_MAX, below it
+    row_max: cute.Tensor  # the exact running max (kept by the stage-2 loop, for the skip rule)
     row_sum: cute.Tensor  # running softmax denominator
     mloc: cute.Tensor     # the current block's row max (unscaled)
     kv_len: Int32
@@ -532,21 +540,48 @@ class OSKForward:
 
     @cute.jit
     def _softmax(self, t: TileRows, acc_S, corr):
-        """Online-softmax update of row_max/row_sum; S -> P in place; writes into corr
-        the per-row factor by which O must be rescaled."""
+        """Online-softmax update of row_ref/row_sum to the block's max; S -> P in place;
+        writes into corr the per-row factor by which O must be rescaled."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            m_prev = t.row_max[r]
+            m_prev = t.row_ref[r]
             m_new = cute.arch.fmax(m_prev, t.mloc[r] * t.sm_scale)
             m_use = m_new
             if m_new == -Float32.inf:
                 m_use = Float32(0.0)
             c = cute.math.exp2((m_prev - m_use) * LOG2_E, fastmath=True)
-            p = cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_use * LOG2_E, fastmath=True)
+            p = self._p_row(t, acc_S_mn, r, m_use)
             acc_S_mn[r, None] = p
             t.row_sum[r] = t.row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
-            t.row_max[r] = m_new
+            t.row_ref[r] = m_new
             corr[r] = c
+
+    @cute.jit
+    def _p_row(self, t: TileRows, acc_S_mn, r: cutlass.Constexpr, m_ref):
+        """exp(S - m_ref) of row r."""
+        return cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_ref * LOG2_E, fastmath=True)
+
+    @cute.jit
+    def _softmax_lagged(self, t: TileRows, acc_S, corr):
+        """The stage-2 loop's softmax of a computed block, whose max (mloc) is known: raises the
+        exact running max, and keeps the reference (O needing no rescale) when no thread of the
+        warp has a P above STALE_SUM_MAX against it; otherwise _softmax.  Returns whether O
+        must be rescaled by corr (uniform over the warp)."""
+        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        ok = cutlass.Boolean(True)
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            t.row_max[r] = cute.arch.fmax(t.row_max[r], t.mloc[r] * t.sm_scale)
+            log2_p_max = t.mloc[r] * t.scale_log2 - t.row_ref[r] * LOG2_E
+            ok = ok and log2_p_max <= math.log2(STALE_SUM_MAX)  # false for NaN (no reference yet)
+        kept = cute.arch.vote_all_sync(ok)
+        if kept:
+            for r in cutlass.range_constexpr(cute.size(t.mloc)):
+                p = self._p_row(t, acc_S_mn, r, t.row_ref[r])
+                acc_S_mn[r, None] = p
+                t.row_sum[r] = t.row_sum[r] + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+        else:
+            self._softmax(t, acc_S, corr)
+        return not kept
 
     @cute.jit
     def _softmax_stale(self, t: TileRows, acc_S, rP_mn):
@@ -559,12 +594,12 @@ class OSKForward:
         block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
         ok = cutlass.Boolean(True)
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            m_ref = t.row_max[r]
+            m_ref = t.row_ref[r]
             limit = Float32(STALE_SUM_MAX)
             if m_ref == -Float32.inf:  # no visible key yet: only an all-masked row may pass
                 m_ref = Float32(0.0)
                 limit = Float32(0.0)
-            p = cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_ref * LOG2_E, fastmath=True)
+            p = self._p_row(t, acc_S_mn, r, m_ref)
             block_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             ok = ok and block_sum[r] <= limit  # false for NaN
             rP_mn[r, None] = p.to(rP_mn.element_type)
@@ -783,8 +818,10 @@ class OSKForward:
             tScS_mn_full = thr_mma_qk.partition_C(cute.make_identity_tensor((TILE_M, TILE_N)))
             tScS_mn = cute.make_tensor(tScS_mn_full.iterator, _mn_layout(tScS_mn_full.layout))
             n_my_rows = cute.size(acc_O_mn, mode=[0])
+            row_ref = cute.make_rmem_tensor((n_my_rows,), Float32)
             row_max = cute.make_rmem_tensor((n_my_rows,), Float32)
             row_sum = cute.make_rmem_tensor((n_my_rows,), Float32)
+            row_ref.fill(-Float32.inf)
             row_max.fill(-Float32.inf)
             row_sum.fill(0.0)
             mloc = cute.make_rmem_tensor((n_my_rows,), Float32)
@@ -794,8 +831,8 @@ class OSKForward:
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
             corr = cute.make_rmem_tensor((n_my_rows,), Float32)
-            tile_rows = TileRows(tScS_mn, row_max, row_sum, mloc, kv_len, rows, diag0, causal, sm_scale,
-                                 scale_log2, thr)
+            tile_rows = TileRows(tScS_mn, row_ref, row_max, row_sum, mloc, kv_len, rows, diag0, causal,
+                                 sm_scale, scale_log2, thr)
             # P of the block whose PV is still to be issued, as the A operand of PV (the delta = 0
             # loop alternates rP with rP_alt)
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
@@ -864,7 +901,7 @@ class OSKForward:
                 j_pending = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
                 self._block_max(tile_rows, acc_S, j_pending)  # the first block is never skipped
-                self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
+                self._softmax_lagged(tile_rows, acc_S, corr)  # sets both maxima; O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 computed = Int32(1)
                 pending = cutlass.Boolean(True)
@@ -878,14 +915,14 @@ class OSKForward:
                     pipe_k.consumer_wait(knext)
                 self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
                 warpgroup.wait_group(0)
+                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
                 acc_lo.store(acc_next.load())
                 for it in cutlass.range(1, num_sel, unroll=1):
                     jstart = j_next * TILE_N
                     j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     kst = self._k_state(it)
                     v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
-                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, kst.index, acc_hi)
-                    warpgroup.wait_group(0)
+                    warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
                     pipe_k.consumer_release(kst)
                     want = self._block_max(tile_rows, acc_S, jstart)
                     # the next block's low half runs under the vote (issued on every path, past the
@@ -903,10 +940,11 @@ class OSKForward:
                     if pending:
                         self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
                         self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
+                    rescale = cutlass.Boolean(False)
                     if skip:
                         skipped = skipped + 1
                     else:
-                        self._softmax(tile_rows, acc_S, corr)
+                        rescale = self._softmax_lagged(tile_rows, acc_S, corr)
                     # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
                     # (waited on every path, so that ptxas sees O's readers ordered after it and
                     # does not serialise the wgmmas)
@@ -919,9 +957,14 @@ class OSKForward:
                         pending = cutlass.Boolean(True)
                         computed = computed + 1
                         j_pending = jstart
-                        self._rescale_o(acc_O_mn, corr)
+                        if rescale:
+                            self._rescale_o(acc_O_mn, corr)
                         rP.store(acc_S.load().to(dtype))
+                    # the next block's high half, as soon as S is dead: before the low half's copy
+                    # and the loop top (past the last block on a stale stage, like the low half)
+                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
                     acc_lo.store(acc_next.load())
+                warpgroup.wait_group(0)  # the high half issued past the last block
                 if pending:
                     v_pending = self._v_state(computed - 1)
                     self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
@@ -942,7 +985,7 @@ class OSKForward:
                 lse = -Float32.inf
                 if not empty:
                     inv = cute.arch.rcp_approx(total)
-                    lse = row_max[r] + cute.math.log2(total, fastmath=False) * LN2
+                    lse = row_ref[r] + cute.math.log2(total, fastmath=False) * LN2
                 acc_O_mn[r, None] = acc_O_mn[r, None].load() * inv
                 row = tOcO_mn[r, 0][0]
                 if tOcO_mn[0, 0][1] == 0:

@@ -184,17 +184,19 @@ def test_full_budget_no_skip_equals_dense(dtype, head_dim, page_size, layout):
              q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=1.0, delta=0.0, dense=True)
 
 
-@pytest.mark.parametrize("dtype,head_dim,page_size,layout,budget", [
-    (torch.bfloat16, 128, 16, "NHD", 1.0), (torch.float16, 64, 128, "HND", 0.6),
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout,budget,delta", [
+    (torch.bfloat16, 128, 16, "NHD", 1.0, 0.0), (torch.float16, 64, 128, "HND", 0.6, 0.0),
+    (torch.float16, 128, 32, "NHD", 0.6, 0.05), (torch.bfloat16, 64, 256, "HND", 1.0, 0.5),
 ])
-def test_delta_zero_with_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget):
-    # The delta = 0 loop takes P against the running max as it stands and redoes a block
-    # exactly when the block raises it by more than osk.STALE_SUM_MAX allows: the sink block,
-    # visited after the local ones, does here.
+def test_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget, delta):
+    # Both loops take P against a reference that may lag the running max and rescale O only
+    # when a block raises it by more than osk.STALE_SUM_MAX allows (the delta = 0 loop redoes
+    # such a block, the stage-2 loop tests its max first): the sink block, visited after the
+    # local ones, does here.
     rises = []
     run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
-             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=budget, delta=0.0,
-             inputs=partial(falling_inputs, rises=rises), dense=budget == 1.0)
+             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=budget, delta=delta,
+             inputs=partial(falling_inputs, rises=rises), dense=budget == 1.0 and delta == 0)
     assert max(rises) > math.log(osk.STALE_SUM_MAX), "the sink must raise some row's max past the limit"
 
 
