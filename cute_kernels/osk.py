@@ -488,13 +488,14 @@ class OSKForward:
 
     @cute.jit
     def _mask_row(self, t: TileRows, acc_S_mn, r: cutlass.Constexpr, jstart):
-        """S = -inf in row r for keys past kv_len and, with causal, past the row's diagonal."""
+        """S = -inf in row r for keys past kv_len and, with causal, past the row's diagonal.  A
+        select per key, not a branch: a store under ``if`` makes LLVM re-select every element
+        of the row at every key (466 FSEL a row where 32 do, bench/NOTES.md session 12)."""
         lim = t.kv_len - jstart
         if t.causal != 0:
             lim = cutlass.min(lim, t.diag0 + t.tScS_mn[r, 0][0] + 1 - jstart)
         for c in cutlass.range_constexpr(cute.size(acc_S_mn, mode=[1])):
-            if t.tScS_mn[0, c][1] >= lim:
-                acc_S_mn[r, c] = -Float32.inf
+            acc_S_mn[r, c] = Float32(cutlass.select_(t.tScS_mn[0, c][1] >= lim, -Float32.inf, acc_S_mn[r, c]))
 
     @cute.jit
     def _mask(self, t: TileRows, acc_S, jstart):
