@@ -499,6 +499,7 @@ class OSKForward:
 
     @cute.jit
     def _mask(self, t: TileRows, acc_S, jstart):
+        """S = -inf at the masked keys of block jstart, every row (only a block that needs it)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         need_mask = self._needs_mask(t, jstart)
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
@@ -506,18 +507,12 @@ class OSKForward:
                 self._mask_row(t, acc_S_mn, r, jstart)
 
     @cute.jit
-    def _block_max(self, t: TileRows, acc_S, jstart, masked: cutlass.Constexpr[bool] = False):
-        """Mask S (unless ``masked``: done already), store per-row block maxima in mloc and
-        return this thread's best gain over the running max (what the stage-2 vote tests).
-        Each row is masked right before its max: masking every row first spills in the vote
-        loop."""
+    def _block_max(self, t: TileRows, acc_S):
+        """Store the per-row maxima of masked S in mloc and return this thread's best gain over
+        the running max (what the stage-2 vote tests)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
-        need_mask = self._needs_mask(t, jstart)
         want = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            if cutlass.const_expr(not masked):
-                if need_mask:
-                    self._mask_row(t, acc_S_mn, r, jstart)
             mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
             mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
@@ -631,7 +626,7 @@ class OSKForward:
             pp.pipe_v.consumer_release(self._v_state(it - 2))
         self._mask(t, acc_S, jstart)
         if not self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout))):
-            self._block_max(t, acc_S, jstart, masked=True)
+            self._block_max(t, acc_S)
             self._softmax(t, acc_S, pp.corr)
             warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
             self._rescale_o(pp.acc_O_mn, pp.corr)
@@ -857,7 +852,8 @@ class OSKForward:
                 pipe_k.consumer_release(kst)
                 jstart = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._block_max(tile_rows, acc_S, jstart)
+                self._mask(tile_rows, acc_S, jstart)
+                self._block_max(tile_rows, acc_S)
                 self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 # V is waited for inside a turn, under QK; only a partial block's V, whose tail
@@ -901,7 +897,8 @@ class OSKForward:
                 pipe_k.consumer_release(kst)
                 j_pending = mOrder[qt, head, 0] * TILE_N
                 j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._block_max(tile_rows, acc_S, j_pending)  # the first block is never skipped
+                self._mask(tile_rows, acc_S, j_pending)
+                self._block_max(tile_rows, acc_S)  # the first block is never skipped
                 self._softmax_lagged(tile_rows, acc_S, corr)  # sets both maxima; O = 0: no rescale
                 rP.store(acc_S.load().to(dtype))
                 computed = Int32(1)
@@ -925,7 +922,8 @@ class OSKForward:
                     v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
                     warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
                     pipe_k.consumer_release(kst)
-                    want = self._block_max(tile_rows, acc_S, jstart)
+                    self._mask(tile_rows, acc_S, jstart)
+                    want = self._block_max(tile_rows, acc_S)
                     # the next block's low half runs under the vote (issued on every path, past the
                     # last block on a stale stage whose result is never read)
                     knext = self._k_state(it + 1)
