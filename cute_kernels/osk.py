@@ -72,7 +72,7 @@ query head):
   P alternates between two register buffers, so that P_j is written while PV_{j-1} still
   reads P_{j-1}: the softmax never waits for PV_{j-1} (only a redo, below, rescales O), and
   V_{j-1} is freed after the wait that QK_{j+1} needs anyway.
-  That loop needs no block max (it decides nothing): P is taken against the running max
+  That loop needs no block max (it decides nothing): P is taken against the reference
   as it stands, and kept, with no rescale of O, when no thread's sum of a row's P over the
   block exceeds ``STALE_SUM_MAX`` (then no P does); otherwise the warp redoes the block
   exactly (max, rescale).  In both loops the reference may lag the running max: P, the
@@ -554,7 +554,7 @@ class OSKForward:
 
     @cute.jit
     def _p_row(self, t: TileRows, acc_S_mn, r: cutlass.Constexpr, m_ref):
-        """exp(S - m_ref) of row r."""
+        """P of row r against the reference m_ref: exp(sm_scale * S - m_ref), S unscaled."""
         return cute.math.exp2(acc_S_mn[r, None].load() * t.scale_log2 - m_ref * LOG2_E, fastmath=True)
 
     @cute.jit
@@ -582,7 +582,7 @@ class OSKForward:
     @cute.jit
     def _softmax_stale(self, t: TileRows, acc_S, rP_mn):
         """The delta = 0 loop's softmax of masked S without the block's max: P against the
-        running max as it stands, into rP_mn (a buffer no wgmma in flight reads).  Kept -- row
+        reference (row_ref) as it stands, into rP_mn (a buffer no wgmma in flight reads).  Kept -- row
         sums updated, O needing no rescale -- when every thread of the warp sums each of its
         rows to at most STALE_SUM_MAX; otherwise nothing but rP_mn is written, and the caller
         redoes the block exactly.  Returns whether it was kept (uniform over the warp)."""
