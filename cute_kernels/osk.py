@@ -179,8 +179,9 @@ class TileRows:
 
 
 @dataclass(frozen=True)
-class PingPong:
-    """What every block of the delta = 0 loop uses, for the two alternating call sites."""
+class TileWalk:
+    """What a consumer's walk over the tile's blocks uses: the first block's helper (both
+    loops) and every block of the delta = 0 loop, whose two call sites alternate."""
 
     pipe_k: pipeline.PipelineTmaAsync
     pipe_v: pipeline.PipelineTmaAsync
@@ -606,33 +607,60 @@ class OSKForward:
         return kept
 
     @cute.jit
-    def _pingpong_block(self, pp: PingPong, t: TileRows, it, j_next, tOrP_prev, rP_new):
+    def _first_block(self, walk: TileWalk, t: TileRows, rP, pingpong: cutlass.Constexpr):
+        """The tile's first listed block, never skipped: QK (in the group's turn when
+        ``pingpong``), mask, max, the loop's softmax (O = 0: no rescale) and P into ``rP``.
+        Returns S, the block's first key and the block listed next."""
+        kst = self._k_state(Int32(0))
+        walk.pipe_k.consumer_wait(kst)
+        if const_expr(pingpong):
+            self._sched_wait(walk.wg)
+        cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
+        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
+        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        if const_expr(pingpong):
+            self._sched_arrive(walk.wg)
+        warpgroup.wait_group(0)
+        walk.pipe_k.consumer_release(kst)
+        jstart = walk.mOrder[walk.qt, walk.head, 0] * TILE_N
+        j_next = self._listed_block(walk.mOrder, walk.qt, walk.head, Int32(1), walk.num_sel)
+        self._mask(t, acc_S, jstart)
+        self._block_max(t, acc_S)
+        if const_expr(pingpong):
+            self._softmax(t, acc_S, walk.corr)
+        else:
+            self._softmax_lagged(t, acc_S, walk.corr)  # sets both maxima
+        rP.store(acc_S.load().to(self.dtype))
+        return acc_S, jstart, j_next
+
+    @cute.jit
+    def _pingpong_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new):
         """Block ``it`` of the delta = 0 loop: QK(it) with PV(it-1) from tOrP_prev in one turn,
         then P(it) into the other buffer, rP_new.  Returns the block listed after the next."""
         jstart = j_next * TILE_N
-        j_next = self._listed_block(pp.mOrder, pp.qt, pp.head, it + 1, pp.num_sel)
+        j_next = self._listed_block(walk.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
         v_prev = self._v_state(it - 1)
         kst = self._k_state(it)
-        pp.pipe_k.consumer_wait(kst)
-        self._sched_wait(pp.wg)
-        acc_S = cute.make_rmem_tensor(pp.s_shape, Float32)
-        self._issue_qk(pp.tiled_mma_qk, pp.tSrQ, pp.tSrK, kst.index, acc_S)
-        pp.pipe_v.consumer_wait(v_prev)
-        self._issue_pv(pp.tiled_mma_pv, pp.acc_O, tOrP_prev, pp.tOrVt, v_prev.index)
-        self._sched_arrive(pp.wg)
+        walk.pipe_k.consumer_wait(kst)
+        self._sched_wait(walk.wg)
+        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
+        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        walk.pipe_v.consumer_wait(v_prev)
+        self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_prev, walk.tOrVt, v_prev.index)
+        self._sched_arrive(walk.wg)
         warpgroup.wait_group(1)  # QK(it) done, and PV(it-2) before it: V(it-2) is free
-        pp.pipe_k.consumer_release(kst)
+        walk.pipe_k.consumer_release(kst)
         if it >= 2:
-            pp.pipe_v.consumer_release(self._v_state(it - 2))
+            walk.pipe_v.consumer_release(self._v_state(it - 2))
         self._mask(t, acc_S, jstart)
         if not self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout))):
             self._block_max(t, acc_S)
-            self._softmax(t, acc_S, pp.corr)
+            self._softmax(t, acc_S, walk.corr)
             warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
-            self._rescale_o(pp.acc_O_mn, pp.corr)
+            self._rescale_o(walk.acc_O_mn, walk.corr)
             rP_new.store(acc_S.load().to(rP_new.element_type))
         if t.kv_len - jstart < TILE_N:
-            self._wait_v(pp.pipe_v, self._v_state(it), pp.tiled_copy_o, pp.sV, pp.ctid, t.kv_len - jstart)
+            self._wait_v(walk.pipe_v, self._v_state(it), walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - jstart)
         return j_next
 
     @cute.jit
@@ -833,6 +861,8 @@ class OSKForward:
             # loop alternates rP with rP_alt)
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
+            walk = TileWalk(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
+                          tOrVt, corr, mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
@@ -841,33 +871,17 @@ class OSKForward:
                 # the other's; group 0 goes first.
                 if wg == 0:  # group 0's first turn: arrive on its own barrier
                     self._sched_arrive(1)
-                kst = self._k_state(Int32(0))
-                pipe_k.consumer_wait(kst)
-                self._sched_wait(wg)
-                cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
-                self._sched_arrive(wg)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(kst)
-                jstart = mOrder[qt, head, 0] * TILE_N
-                j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask(tile_rows, acc_S, jstart)
-                self._block_max(tile_rows, acc_S)
-                self._softmax(tile_rows, acc_S, corr)  # O = 0: no rescale
-                rP.store(acc_S.load().to(dtype))
+                acc_S, jstart, j_next = self._first_block(walk, tile_rows, rP, pingpong=True)
                 # V is waited for inside a turn, under QK; only a partial block's V, whose tail
                 # zeroing synchronises both groups, is waited for (and zeroed) before the turn
                 if kv_len - jstart < TILE_N:
                     self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
                 rP_alt = cute.make_fragment_like(rP)
                 tOrP_alt = cute.make_tensor(rP_alt.iterator, _frgA_layout(rP_alt.layout))
-                pp = PingPong(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
-                              tOrVt, corr, mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
                 for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
-                    j_next = self._pingpong_block(pp, tile_rows, it, j_next, tOrP, rP_alt)
+                    j_next = self._pingpong_block(walk, tile_rows, it, j_next, tOrP, rP_alt)
                     if it + 1 < num_sel:
-                        j_next = self._pingpong_block(pp, tile_rows, it + 1, j_next, tOrP_alt, rP)
+                        j_next = self._pingpong_block(walk, tile_rows, it + 1, j_next, tOrP_alt, rP)
                 v_last = self._v_state(num_sel - 1)
                 self._sched_wait(wg)
                 pipe_v.consumer_wait(v_last)
@@ -888,19 +902,7 @@ class OSKForward:
                 # blocks; PV of the last computed block (pending, always j - 1) is issued after
                 # the vote on j -- its V had QK(j) and the vote to arrive -- and runs under
                 # softmax(j).
-                kst = self._k_state(Int32(0))
-                pipe_k.consumer_wait(kst)
-                cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
-                acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                self._issue_qk(tiled_mma_qk, tSrQ, tSrK, kst.index, acc_S)
-                warpgroup.wait_group(0)
-                pipe_k.consumer_release(kst)
-                j_pending = mOrder[qt, head, 0] * TILE_N
-                j_next = self._listed_block(mOrder, qt, head, Int32(1), num_sel)
-                self._mask(tile_rows, acc_S, j_pending)
-                self._block_max(tile_rows, acc_S)  # the first block is never skipped
-                self._softmax_lagged(tile_rows, acc_S, corr)  # sets both maxima; O = 0: no rescale
-                rP.store(acc_S.load().to(dtype))
+                acc_S, j_pending, j_next = self._first_block(walk, tile_rows, rP, pingpong=False)
                 computed = Int32(1)
                 pending = cutlass.Boolean(True)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
