@@ -285,23 +285,25 @@ def time_in_rounds(group: list[Timed | Row], rounds: int, sample) -> list[Row]:
     of clock and power state, which drift during a run (a row timed in one stretch would carry
     that stretch's drift alone); a row's time is the median over all its samples, per call.  A
     row whose call raises becomes one that says why."""
-    samples: dict[int, list[float]] = {id(item): [] for item in group if isinstance(item, Timed)}
+    timed = [i for i, item in enumerate(group) if isinstance(item, Timed)]
+    samples: dict[int, list[float]] = {i: [] for i in timed}
     failed: dict[int, Row] = {}
     for _ in range(rounds):
-        for item in group:
-            if isinstance(item, Timed) and id(item) not in failed:
+        for i in timed:
+            if i not in failed:
+                item = group[i]
                 try:
-                    samples[id(item)] += sample(item.call)
+                    samples[i] += sample(item.call)
                 except Exception as error:  # noqa: BLE001 - one broken row does not end the run
-                    failed[id(item)] = failure_row(item.row.seq, item.row.page, item.row.name, error)
+                    failed[i] = failure_row(item.row.seq, item.row.page, item.row.name, error)
     rows = []
-    for item in group:
+    for i, item in enumerate(group):
         if isinstance(item, Row):
             rows.append(item)
-        elif id(item) in failed:
-            rows.append(failed[id(item)])
+        elif i in failed:
+            rows.append(failed[i])
         else:
-            rows.append(dataclasses.replace(item.row, ms=statistics.median(samples[id(item)]) / item.calls))
+            rows.append(dataclasses.replace(item.row, ms=statistics.median(samples[i]) / item.calls))
     return rows
 
 
