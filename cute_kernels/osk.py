@@ -194,7 +194,7 @@ class TileWalk:
     acc_O: cute.Tensor
     acc_O_mn: cute.Tensor  # acc_O's row/column view
     tOrVt: cute.Tensor
-    corr: cute.Tensor     # a redo's per-row rescale of O
+    corr: cute.Tensor     # per-row rescale of O, written by the softmax that raises the reference
     mOrder: cute.Tensor
     qt: Int32
     head: Int32
