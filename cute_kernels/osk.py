@@ -81,9 +81,11 @@ query head):
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
 block and ``max over valid rows (mloc - m) < thr``, where a row whose block
-logits are all masked contributes ``-inf``.  One decision per tile: each consumer
-thread tests its rows against thr and one ``bar.red.or`` over the 256 consumer
-threads both synchronises them and ORs the tests.  A skipped block does no exp, no
+logits are all masked contributes ``-inf``.  One decision per tile, but only the
+warps that would skip wait for it: a consumer warp ORs its threads' tests (``vote.any``);
+a warp with a row that computes knows the tile computes, so it marks the block in shared
+memory, arrives on the block's named barrier and goes on, while a warp whose rows all
+skip syncs on that barrier and then reads the mark.  A skipped block does no exp, no
 PV and loads no V.
 
 Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), all
@@ -138,19 +140,23 @@ LOG2_E = 1.4426950408889634
 STALE_SUM_MAX = 256.0
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
 QT_NUM_SELECTED = 7
-BAR_VOTE = 1  # the stage-2 vote (bar.red.or)
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
+BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it uses BAR_VOTE + it % VOTE_SLOTS
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
 BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 3  # the delta = 0 loop frees V(j-1) only after QK(j+1): one stage more than K
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
+# A computing warp runs ahead of the vote's waiters only as far as the K ring lets it: it gets
+# K(j + k_stages + 1) once every consumer warp has released K(j + 1), after its vote on block j.
+# So with more slots than K stages a vote slot is reused only once all warps are done with it
+VOTE_SLOTS = 4
 # A warp runs on SM sub-partition (SMSP) warp % 4 and shares its issue slots with one warp of
-# each consumer group.  The stage-2 vote waits for the slowest consumer warp: with the loaders on
-# SMSPs 0 and 1, consumer group 0 and its warp 0 (which also posts the decisions) reached it
-# last, and on SMSPs 3 and 2 skip-all runs take 2-11% less time (bench/NOTES.md, session 8)
+# each consumer group.  A skipped block's vote waits for the slowest consumer warp: with the
+# loaders on SMSPs 0 and 1, consumer group 0 and its warp 0 (which also posts the decisions)
+# reached it last, and on SMSPs 3 and 2 skip-all runs take 2-11% less time (bench/NOTES.md, session 8)
 K_PRODUCER_WARP = 3
 V_PRODUCER_WARP = 2
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
@@ -239,6 +245,7 @@ class OSKForward:
     def __init__(self, dtype, head_dim: int, k_stages: int = K_STAGES, v_stages: int = V_STAGES):
         self.dtype = dtype
         self.head_dim = head_dim
+        assert k_stages < VOTE_SLOTS, "a vote slot would be reused while a warp still reads it"
         self.k_stages = k_stages
         self.v_stages = v_stages
 
@@ -283,6 +290,7 @@ class OSKForward:
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.v_stages]
             mbar_decision: cute.struct.MemRange[cutlass.Int64, 2 * DECISION_SLOTS]
             decision: cute.struct.MemRange[Int32, DECISION_SLOTS]
+            vote: cute.struct.MemRange[Int32, VOTE_SLOTS]  # the last block each slot saw computed
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sV_layout)], 1024]
@@ -526,13 +534,22 @@ class OSKForward:
         return want
 
     @cute.jit
-    def _vote(self, t: TileRows, want):
-        """The tile-wide stage-2 decision on a block after the first (True = skip): one
-        bar.red.or over the 256 consumer threads both synchronises them and ORs their tests.
-        Only the stage-2 loop votes: the first block is never skipped, and with delta = 0
-        no block is, so the ping-pong loop has no barrier coupling the two groups."""
-        computes = nvvm_x.barrier_cta_red_aligned(want >= t.thr, BAR_VOTE, "or",
-                                                  thread_count=NUM_CONSUMER_THREADS)
+    def _vote(self, t: TileRows, want, it, sVote):
+        """The tile-wide stage-2 decision on block ``it`` (after the first; True = skip).  A
+        warp with a row that computes knows the answer: it marks the block in sVote, arrives
+        on the block's barrier and goes on.  Only a warp whose rows all skip waits, until
+        every consumer warp has voted, then reads the mark.  Only the stage-2 loop votes: the
+        first block is never skipped, and with delta = 0 no block is, so the ping-pong loop
+        has no barrier coupling the two groups."""
+        slot = it % VOTE_SLOTS
+        computes = cute.arch.vote_any_sync(want >= t.thr)
+        if computes:
+            if cute.arch.lane_idx() == 0:
+                sVote[slot] = it  # every computing warp writes the same value
+            nvvm_x.barrier_cta_arrive(BAR_VOTE + slot, thread_count=NUM_CONSUMER_THREADS)
+        else:
+            nvvm_x.barrier_cta_sync(BAR_VOTE + slot, thread_count=NUM_CONSUMER_THREADS)
+            computes = sVote[slot] == it
         return not computes
 
     @cute.jit
@@ -732,6 +749,9 @@ class OSKForward:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sDecision = storage.decision.get_tensor(cute.make_layout((DECISION_SLOTS,)))
+        sVote = storage.vote.get_tensor(cute.make_layout((VOTE_SLOTS,)))
+        if tidx < VOTE_SLOTS:
+            sVote[tidx] = Int32(-1)  # no block computed yet (ordered by the barrier below)
 
         producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS)
         consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_THREADS)
@@ -897,8 +917,8 @@ class OSKForward:
                 pipe_v.consumer_release(v_last)
                 computed = num_sel
             elif num_sel > 0:
-                # delta > 0: the vote keeps the two groups in lockstep, so no ping-pong.  The
-                # vote on block j is posted to the V producer, which loads V only for computed
+                # delta > 0: the vote holds the groups together on skipped blocks, so no
+                # ping-pong.  The vote on block j is posted to the V producer, which loads V only for computed
                 # blocks; PV of the last computed block (pending, always j - 1) is issued after
                 # the vote on j -- its V had QK(j) and the vote to arrive -- and runs under
                 # softmax(j).
@@ -932,7 +952,7 @@ class OSKForward:
                     if it + 1 < num_sel:
                         pipe_k.consumer_wait(knext)
                     self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
-                    skip = self._vote(tile_rows, want)
+                    skip = self._vote(tile_rows, want, it, sVote)
                     if ctid == 0:
                         pipe_decision.producer_acquire(d_state)
                         sDecision[d_state.index] = Int32(skip)
