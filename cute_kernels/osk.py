@@ -143,7 +143,7 @@ QT_NUM_SELECTED = 7
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
-BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it uses BAR_VOTE + it % VOTE_SLOTS
+BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it, by it % VOTE_SLOTS
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
 BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
@@ -156,7 +156,8 @@ VOTE_SLOTS = 4
 # A warp runs on SM sub-partition (SMSP) warp % 4 and shares its issue slots with one warp of
 # each consumer group.  A skipped block's vote waits for the slowest consumer warp: with the
 # loaders on SMSPs 0 and 1, consumer group 0 and its warp 0 (which also posts the decisions)
-# reached it last, and on SMSPs 3 and 2 skip-all runs take 2-11% less time (bench/NOTES.md, session 8)
+# reached it last, and on SMSPs 3 and 2 skip-all runs take 2-11% less time (bench/NOTES.md,
+# session 8)
 K_PRODUCER_WARP = 3
 V_PRODUCER_WARP = 2
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
@@ -918,10 +919,10 @@ class OSKForward:
                 computed = num_sel
             elif num_sel > 0:
                 # delta > 0: the vote holds the groups together on skipped blocks, so no
-                # ping-pong.  The vote on block j is posted to the V producer, which loads V only for computed
-                # blocks; PV of the last computed block (pending, always j - 1) is issued after
-                # the vote on j -- its V had QK(j) and the vote to arrive -- and runs under
-                # softmax(j).
+                # ping-pong.  The vote on block j is posted to the V producer, which loads V
+                # only for computed blocks; PV of the last computed block (pending, always
+                # j - 1) is issued after the vote on j -- its V had QK(j) and the vote to
+                # arrive -- and runs under softmax(j).
                 acc_S, j_pending, j_next = self._first_block(walk, tile_rows, rP, pingpong=False)
                 computed = Int32(1)
                 pending = cutlass.Boolean(True)
