@@ -871,7 +871,6 @@ class OSKForward:
             row_sum.fill(0.0)
             mloc = cute.make_rmem_tensor((n_my_rows,), Float32)
             computed = Int32(0)
-            skipped = Int32(0)
 
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 1)
             pipe_q.consumer_wait(q_state)
@@ -963,9 +962,7 @@ class OSKForward:
                         self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
                         self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
                     rescale = cutlass.Boolean(False)
-                    if skip:
-                        skipped = skipped + 1
-                    else:
+                    if not skip:
                         rescale = self._softmax_lagged(tile_rows, acc_S, corr)
                     # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
                     # (waited on every path, so that ptxas sees O's readers ordered after it and
@@ -1015,7 +1012,7 @@ class OSKForward:
                         mLSE[row_start + row, head] = lse
             if ctid == 0:
                 mComputed[qt, head] = computed
-                mSkipped[qt, head] = skipped
+                mSkipped[qt, head] = num_sel - computed  # every listed block is computed or skipped
 
             rO = cute.make_fragment_like(acc_O, dtype)
             rO.store(acc_O.load().to(dtype))
