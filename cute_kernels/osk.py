@@ -52,7 +52,9 @@ query head):
   consumers' vote computes (decisions reach it through a small smem ring,
   ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
   past kv_len inside a page, so for a partial last block the consumers zero those V
-  rows in smem before PV (masked K columns are overwritten with -inf);
+  rows in smem before PV (masked K columns are overwritten with -inf).  Warps 0 and 1
+  then bring into L2 the Q rows and the first block's K and V of the tile one wave
+  ahead (``bid + %nsmid``), which would otherwise come from DRAM while its SM waits;
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
@@ -401,36 +403,82 @@ class OSKForward:
         return pages
 
     @cute.jit
-    def _box_views(self, tma_block, tma_box, m_block, m_box, kv_head):
-        """Prefetch K's or V's TMA descriptors; return the kv head's source tiles, (TILE_N,
-        D) of (block in page, page) and (BOX, D) of (box in page, page)."""
-        cpasync.prefetch_descriptor(tma_block)
-        cpasync.prefetch_descriptor(tma_box)
+    def _box_views(self, m_block, m_box, kv_head):
+        """K's or V's source tiles for one kv head: (TILE_N, D) of (block in page, page) and
+        (BOX, D) of (box in page, page)."""
         g_block = cute.local_tile(m_block[None, None, kv_head, None], (TILE_N, self.head_dim), (None, 0, None))
         g_box = cute.local_tile(m_box[None, None, kv_head, None], (BOX, self.head_dim), (None, 0, None))
         return g_block, g_box
 
     @cute.jit
-    def _load_block(self, pipe, state, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32,
-                    page_shift: Int32, page_mask: Int32):
-        """Acquire the ring slot of ``state`` and issue the TMA loads of one logical key block
-        (pages from ``_block_pages``) into it: one TILE_N-row box when a page holds whole
-        blocks, else TILE_N / BOX boxes of BOX rows."""
-        pipe.producer_acquire(state)
-        mbar = pipe.producer_get_barrier(state)
+    def _tma_block(self, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32, page_shift: Int32,
+                   page_mask: Int32, stage, mbar, prefetch: cutlass.Constexpr):
+        """The TMA of one logical key block (pages from ``_block_pages``): one TILE_N-row box
+        when a page holds whole blocks, else TILE_N / BOX boxes of BOX rows; into ring stage
+        ``stage``, completing on ``mbar``, or with ``prefetch`` into L2 only."""
         if page_shift >= BLOCK_SHIFT:
             tS, tG = cpasync.tma_partition(
                 tma_block, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g_block, 0, 2))
-            cute.copy(tma_block, tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]], tS[None, state.index],
-                      tma_bar_ptr=mbar)
+            src = tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]]
+            if const_expr(prefetch):
+                cute.prefetch(tma_block, src)
+            else:
+                cute.copy(tma_block, src, tS[None, stage], tma_bar_ptr=mbar)
         else:
             for i in cutlass.range_constexpr(TILE_N // BOX):
                 g = jstart + i * BOX
                 s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
                 tS, tG = cpasync.tma_partition(
                     tma_box, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2), cute.group_modes(g_box, 0, 2))
-                cute.copy(tma_box, tG[None, (g & page_mask) // BOX, pages[i]], tS[None, state.index],
-                          tma_bar_ptr=mbar)
+                src = tG[None, (g & page_mask) // BOX, pages[i]]
+                if const_expr(prefetch):
+                    cute.prefetch(tma_box, src)
+                else:
+                    cute.copy(tma_box, src, tS[None, stage], tma_bar_ptr=mbar)
+
+    @cute.jit
+    def _load_block(self, pipe, state, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32,
+                    page_shift: Int32, page_mask: Int32):
+        """Acquire the ring slot of ``state`` and load one logical key block into it."""
+        pipe.producer_acquire(state)
+        self._tma_block(tma_block, g_block, tma_box, g_box, sX, pages, jstart, page_shift, page_mask,
+                        state.index, pipe.producer_get_barrier(state), prefetch=False)
+
+    @cute.jit
+    def _prefetch_next_wave(self, mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
+                            tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK,
+                            tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV,
+                            bid: Int32, group: Int32, page_shift: Int32, page_mask: Int32, tidx: Int32):
+        """Producer warps 0 and 1 (idle once Q is issued) bring into L2 what the tile one wave
+        ahead waits for first: its Q rows and its first block's K (warp 0) and V (warp 1).
+        With one CTA an SM, that tile's CTA starts as soon as one CTA of this wave ends, and
+        its Q and first block otherwise come from DRAM while the whole SM waits (%nsmid bounds
+        the SM count)."""
+        nb = bid + cute.arch.nsmid()
+        if nb < mTileOrder.shape[0]:
+            qt = mTileOrder[nb, 0]
+            head = mTileOrder[nb, 1]
+            row_start = mQtiles[qt, QT_ROW_START]
+            rows = mQtiles[qt, QT_ROWS]
+            line = 1024 // self.dtype.width  # elements of a 128-byte line
+            for i in cutlass.range_constexpr(TILE_M // 64):  # 64 threads, a row each per trip
+                r = tidx + 64 * i
+                if r < rows:
+                    row = mQ.iterator + (Int64(row_start + r) * mQ.stride[0] + Int64(head) * mQ.stride[1])
+                    for c in cutlass.range_constexpr(self.head_dim // line):
+                        nvvm_x.prefetch_l2(row + c * line)
+            if tidx % 32 == 0:
+                req = mQtiles[qt, QT_REQUEST]
+                j = mOrder[qt, head, 0]
+                pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req], page_shift)
+                if tidx == 0:
+                    g_block, g_box = self._box_views(mK_block, mK_box, head // group)
+                    self._tma_block(tma_atom_K_block, g_block, tma_atom_K_box, g_box, sK, pages, j * TILE_N,
+                                    page_shift, page_mask, None, None, prefetch=True)
+                else:
+                    g_block, g_box = self._box_views(mV_block, mV_box, head // group)
+                    self._tma_block(tma_atom_V_block, g_block, tma_atom_V_box, g_box, sV, pages, j * TILE_N,
+                                    page_shift, page_mask, None, None, prefetch=True)
 
     @cute.jit
     def _wait_v(self, pipe_v, st, tiled_copy_o, sV, ctid, valid_rows):
@@ -800,7 +848,9 @@ class OSKForward:
             page_mask = (Int32(1) << page_shift) - 1
             if warp_idx == K_PRODUCER_WARP:
                 # K of every block in the tile's order
-                gK_block, gK_box = self._box_views(tma_atom_K_block, tma_atom_K_box, mK_block, mK_box, kv_head)
+                cpasync.prefetch_descriptor(tma_atom_K_block)
+                cpasync.prefetch_descriptor(tma_atom_K_box)
+                gK_block, gK_box = self._box_views(mK_block, mK_box, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
@@ -813,7 +863,9 @@ class OSKForward:
             elif warp_idx == V_PRODUCER_WARP:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
-                gV_block, gV_box = self._box_views(tma_atom_V_block, tma_atom_V_box, mV_block, mV_box, kv_head)
+                cpasync.prefetch_descriptor(tma_atom_V_block)
+                cpasync.prefetch_descriptor(tma_atom_V_box)
+                gV_block, gV_box = self._box_views(mV_block, mV_box, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
@@ -831,6 +883,11 @@ class OSKForward:
                         self._load_block(pipe_v, v_state, tma_atom_V_block, gV_block, tma_atom_V_box, gV_box,
                                          sV, pages, j * TILE_N, page_shift, page_mask)
                         v_state.advance()
+            else:
+                self._prefetch_next_wave(mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
+                                         tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK,
+                                         tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV,
+                                         bid, group, page_shift, page_mask, tidx)
             cute.arch.cp_async_wait_group(0)
         else:
             # ================================================ consumer warp groups
