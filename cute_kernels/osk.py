@@ -84,7 +84,9 @@ Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
 block and ``max over valid rows (mloc - m) < thr``, where a row whose block
 logits are all masked contributes ``-inf``.  One decision per tile, but only the
-warps that would skip wait for it: a consumer warp ORs its threads' tests (``vote.any``);
+warps that would skip wait for it: a consumer warp ORs its threads' tests (``vote.any``),
+each on the maxima of its own elements of its rows (the quad's shuffles that make them the
+rows' maxima run only for a computed block, whose softmax needs them);
 a warp with a row that computes knows the tile computes, so it marks the block in shared
 memory, arrives on the block's named barrier and goes on, while a warp whose rows all
 skip syncs on that barrier and then reads the mark.  A skipped block does no exp, no
@@ -566,14 +568,19 @@ class OSKForward:
 
     @cute.jit
     def _block_max(self, t: TileRows, acc_S):
-        """Store the per-row maxima of masked S in mloc and return this thread's best gain over
-        the running max (what the stage-2 vote tests)."""
+        """Store the per-row maxima of masked S in mloc."""
+        self._thread_max(t, acc_S)
+        self._quad_max(t)
+
+    @cute.jit
+    def _thread_max(self, t: TileRows, acc_S):
+        """mloc = this thread's maxima of its rows of masked S; returns its best gain over the
+        running max.  The warp's vote on it equals the vote on the rows' maxima (the row max is
+        one of its four threads' maxima, and x * sm_scale - m is monotone in x)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         want = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
             mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=2))
-            mx = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
             t.mloc[r] = mx
             d = -Float32.inf
             if mx != -Float32.inf:
@@ -581,6 +588,13 @@ class OSKForward:
             if t.tScS_mn[r, 0][0] < t.rows:
                 want = cute.arch.fmax(want, d)
         return want
+
+    @cute.jit
+    def _quad_max(self, t: TileRows):
+        """mloc: the threads' maxima -> the rows' (a row's keys are spread over a quad)."""
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            mx = cute.arch.fmax(t.mloc[r], cute.arch.shuffle_sync_bfly(t.mloc[r], offset=2))
+            t.mloc[r] = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
 
     @cute.jit
     def _vote(self, t: TileRows, want, it, sVote):
@@ -1002,7 +1016,7 @@ class OSKForward:
                     warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
                     pipe_k.consumer_release(kst)
                     self._mask(tile_rows, acc_S, jstart)
-                    want = self._block_max(tile_rows, acc_S)
+                    want = self._thread_max(tile_rows, acc_S)
                     # the next block's low half runs under the vote (issued on every path, past the
                     # last block on a stale stage whose result is never read)
                     knext = self._k_state(it + 1)
@@ -1020,6 +1034,7 @@ class OSKForward:
                         self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
                     rescale = cutlass.Boolean(False)
                     if not skip:
+                        self._quad_max(tile_rows)
                         rescale = self._softmax_lagged(tile_rows, acc_S, corr)
                     # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
                     # (waited on every path, so that ptxas sees O's readers ordered after it and
