@@ -40,10 +40,14 @@ COUNT_SENTINEL = -7
 
 def skewed_inputs(num_qo_heads, num_kv_heads, head_dim, generator):
     """``make_batch``'s ``qkv``: sharp queries and every 128-key block of K scaled by a
-    random factor in [0.1, 1.5], so that stage 2 finds negligible blocks to skip."""
+    random factor in [0.1, 1.5], so that stage 2 finds negligible blocks to skip.  Block 0,
+    the sink every tile visits right after its local blocks, gets 1.5: with random scales
+    alone a batch now and then visits no weak block after a strong one and skips none (1
+    of 600 seeds on the CPU); pinned, each of 900 seeds skipped at least 5 blocks."""
     def qkv(_, q_len, kv_len):
         q = 6.0 * torch.randn(q_len, num_qo_heads, head_dim, generator=generator, dtype=torch.float64)
         scale = 0.1 + 1.4 * torch.rand(-(-kv_len // 128), generator=generator, dtype=torch.float64)
+        scale[:1] = 1.5
         k = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
         k *= scale.repeat_interleave(128)[:kv_len, None, None]
         v = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
