@@ -232,6 +232,11 @@ def _mn_layout(acc_layout):
     return cute.composition(acc_layout, mn)
 
 
+def _row_offset(mX, row, head):
+    """Element offset of (row, head) in a [rows, heads, D] tensor (q or o)."""
+    return Int64(row) * mX.stride[0] + Int64(head) * mX.stride[1]
+
+
 def _frgA_layout(acc_layout):
     """SM90 accumulator ((2,2,N/8),M,N') -> A-operand fragment ((2,2,2),M,(N/16,N'))."""
     lay = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
@@ -466,7 +471,7 @@ class OSKForward:
             for i in cutlass.range_constexpr(TILE_M // 64):  # 64 threads, a row each per trip
                 r = tidx + 64 * i
                 if r < rows:
-                    row = mQ.iterator + (Int64(row_start + r) * mQ.stride[0] + Int64(head) * mQ.stride[1])
+                    row = mQ.iterator + _row_offset(mQ, row_start + r, head)
                     for c in cutlass.range_constexpr(self.head_dim // line):
                         nvvm_x.prefetch_l2(row + c * line)
             if tidx % 32 == 0:
@@ -854,7 +859,7 @@ class OSKForward:
             for m in cutlass.range_constexpr(n_rows):
                 r = tXcX[0, m, 0][0]
                 row_ok[m] = r < rows
-                row_off[m] = Int64(row_start + r) * mQ.stride[0] + Int64(head) * mQ.stride[1]
+                row_off[m] = _row_offset(mQ, row_start + r, head)
             q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
             self._load_rows(mQ, tiled_copy_g2s, tQsQ, tXcX, row_off, row_ok)
             pipe_q.producer_commit(q_state)
@@ -1102,7 +1107,7 @@ class OSKForward:
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                 r = tOcO[0, m, 0][0]
                 if r < rows:
-                    base = Int64(row_start + r) * mO.stride[0] + Int64(head) * mO.stride[1]
+                    base = _row_offset(mO, row_start + r, head)
                     for k in cutlass.range_constexpr(cute.size(tOrO, mode=[2])):
                         col = tOcO[0, m, k][1]
                         gptr = cute.make_ptr(
