@@ -164,6 +164,7 @@ VOTE_SLOTS = 4
 # session 8)
 K_PRODUCER_WARP = 3
 V_PRODUCER_WARP = 2
+PREFETCH_THREADS = 64  # producer warps 0 and 1: the next wave's loads (_prefetch_next_wave)
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
 
@@ -468,8 +469,8 @@ class OSKForward:
             row_start = mQtiles[qt, QT_ROW_START]
             rows = mQtiles[qt, QT_ROWS]
             line = 1024 // self.dtype.width  # elements of a 128-byte line
-            for i in cutlass.range_constexpr(TILE_M // 64):  # 64 threads, a row each per trip
-                r = tidx + 64 * i
+            for i in cutlass.range_constexpr(TILE_M // PREFETCH_THREADS):  # a row a thread per trip
+                r = tidx + PREFETCH_THREADS * i
                 if r < rows:
                     row = mQ.iterator + _row_offset(mQ, row_start + r, head)
                     for c in cutlass.range_constexpr(self.head_dim // line):
