@@ -191,6 +191,21 @@ class TileRows:
 
 
 @dataclass(frozen=True)
+class PagedSource:
+    """K or V as its TMA reads it from the paged cache: the atoms and (page row, d, kv head,
+    page) views of its two boxes (a whole TILE_N-row block, for pages that hold whole blocks,
+    and BOX rows), the smem ring it lands in, and the page geometry."""
+
+    tma_block: cute.CopyAtom
+    m_block: cute.Tensor
+    tma_box: cute.CopyAtom
+    m_box: cute.Tensor
+    smem: cute.Tensor
+    page_shift: Int32
+    page_mask: Int32
+
+
+@dataclass(frozen=True)
 class TileWalk:
     """What a consumer's walk over the tile's blocks uses: the first block's helper (both
     loops) and every block of the delta = 0 loop, whose two call sites alternate."""
@@ -411,52 +426,50 @@ class OSKForward:
         return pages
 
     @cute.jit
-    def _box_views(self, m_block, m_box, kv_head):
-        """K's or V's source tiles for one kv head: (TILE_N, D) of (block in page, page) and
-        (BOX, D) of (box in page, page)."""
-        g_block = cute.local_tile(m_block[None, None, kv_head, None], (TILE_N, self.head_dim), (None, 0, None))
-        g_box = cute.local_tile(m_box[None, None, kv_head, None], (BOX, self.head_dim), (None, 0, None))
+    def _box_views(self, src: PagedSource, kv_head):
+        """The source's tiles for one kv head: (TILE_N, D) of (block in page, page) and (BOX, D)
+        of (box in page, page)."""
+        g_block = cute.local_tile(src.m_block[None, None, kv_head, None], (TILE_N, self.head_dim), (None, 0, None))
+        g_box = cute.local_tile(src.m_box[None, None, kv_head, None], (BOX, self.head_dim), (None, 0, None))
         return g_block, g_box
 
     @cute.jit
-    def _tma_block(self, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32, page_shift: Int32,
-                   page_mask: Int32, stage, mbar, prefetch: cutlass.Constexpr):
-        """The TMA of one logical key block (pages from ``_block_pages``): one TILE_N-row box
-        when a page holds whole blocks, else TILE_N / BOX boxes of BOX rows; into ring stage
-        ``stage``, completing on ``mbar``, or with ``prefetch`` into L2 only."""
-        if page_shift >= BLOCK_SHIFT:
+    def _tma_block(self, src: PagedSource, views, pages, jstart: Int32, stage, mbar, prefetch: cutlass.Constexpr):
+        """The TMA of one logical key block (``views`` from ``_box_views``, pages from
+        ``_block_pages``): one TILE_N-row box when a page holds whole blocks, else TILE_N / BOX
+        boxes of BOX rows; into ring stage ``stage``, completing on ``mbar``, or with
+        ``prefetch`` into L2 only."""
+        g_block, g_box = views
+        tma_block, tma_box, sX, page_mask = src.tma_block, src.tma_box, src.smem, src.page_mask
+        if src.page_shift >= BLOCK_SHIFT:
             tS, tG = cpasync.tma_partition(
                 tma_block, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g_block, 0, 2))
-            src = tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]]
+            tile = tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]]
             if const_expr(prefetch):
-                cute.prefetch(tma_block, src)
+                cute.prefetch(tma_block, tile)
             else:
-                cute.copy(tma_block, src, tS[None, stage], tma_bar_ptr=mbar)
+                cute.copy(tma_block, tile, tS[None, stage], tma_bar_ptr=mbar)
         else:
             for i in cutlass.range_constexpr(TILE_N // BOX):
                 g = jstart + i * BOX
                 s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
                 tS, tG = cpasync.tma_partition(
                     tma_box, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2), cute.group_modes(g_box, 0, 2))
-                src = tG[None, (g & page_mask) // BOX, pages[i]]
+                tile = tG[None, (g & page_mask) // BOX, pages[i]]
                 if const_expr(prefetch):
-                    cute.prefetch(tma_box, src)
+                    cute.prefetch(tma_box, tile)
                 else:
-                    cute.copy(tma_box, src, tS[None, stage], tma_bar_ptr=mbar)
+                    cute.copy(tma_box, tile, tS[None, stage], tma_bar_ptr=mbar)
 
     @cute.jit
-    def _load_block(self, pipe, state, tma_block, g_block, tma_box, g_box, sX, pages, jstart: Int32,
-                    page_shift: Int32, page_mask: Int32):
+    def _load_block(self, pipe, state, src: PagedSource, views, pages, jstart: Int32):
         """Acquire the ring slot of ``state`` and load one logical key block into it."""
         pipe.producer_acquire(state)
-        self._tma_block(tma_block, g_block, tma_box, g_box, sX, pages, jstart, page_shift, page_mask,
-                        state.index, pipe.producer_get_barrier(state), prefetch=False)
+        self._tma_block(src, views, pages, jstart, state.index, pipe.producer_get_barrier(state), prefetch=False)
 
     @cute.jit
     def _prefetch_next_wave(self, mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
-                            tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK,
-                            tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV,
-                            bid: Int32, group: Int32, page_shift: Int32, page_mask: Int32, tidx: Int32):
+                            k_src: PagedSource, v_src: PagedSource, bid: Int32, group: Int32, tidx: Int32):
         """Producer warps 0 and 1 (idle once Q is issued) bring into L2 what the tile one wave
         ahead waits for first: its Q rows and its first block's K (warp 0) and V (warp 1).
         With one CTA an SM, that tile's CTA starts as soon as one CTA of this wave ends, and
@@ -478,15 +491,14 @@ class OSKForward:
             if tidx % 32 == 0:
                 req = mQtiles[qt, QT_REQUEST]
                 j = mOrder[qt, head, 0]
-                pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req], page_shift)
+                pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req],
+                                          k_src.page_shift)
                 if tidx == 0:
-                    g_block, g_box = self._box_views(mK_block, mK_box, head // group)
-                    self._tma_block(tma_atom_K_block, g_block, tma_atom_K_box, g_box, sK, pages, j * TILE_N,
-                                    page_shift, page_mask, None, None, prefetch=True)
+                    self._tma_block(k_src, self._box_views(k_src, head // group), pages, j * TILE_N, None, None,
+                                    prefetch=True)
                 else:
-                    g_block, g_box = self._box_views(mV_block, mV_box, head // group)
-                    self._tma_block(tma_atom_V_block, g_block, tma_atom_V_box, g_box, sV, pages, j * TILE_N,
-                                    page_shift, page_mask, None, None, prefetch=True)
+                    self._tma_block(v_src, self._box_views(v_src, head // group), pages, j * TILE_N, None, None,
+                                    prefetch=True)
 
     @cute.jit
     def _wait_v(self, pipe_v, st, tiled_copy_o, sV, ctid, valid_rows):
@@ -866,26 +878,27 @@ class OSKForward:
             pipe_q.producer_commit(q_state)
 
             page_mask = (Int32(1) << page_shift) - 1
+            k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift, page_mask)
+            v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift, page_mask)
             if warp_idx == K_PRODUCER_WARP:
                 # K of every block in the tile's order
                 cpasync.prefetch_descriptor(tma_atom_K_block)
                 cpasync.prefetch_descriptor(tma_atom_K_box)
-                gK_block, gK_box = self._box_views(mK_block, mK_box, kv_head)
+                k_views = self._box_views(k_src, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
                     j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
                     pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
-                    self._load_block(pipe_k, k_state, tma_atom_K_block, gK_block, tma_atom_K_box, gK_box, sK,
-                                     pages, j * TILE_N, page_shift, page_mask)
+                    self._load_block(pipe_k, k_state, k_src, k_views, pages, j * TILE_N)
                     k_state.advance()
             elif warp_idx == V_PRODUCER_WARP:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
                 cpasync.prefetch_descriptor(tma_atom_V_block)
                 cpasync.prefetch_descriptor(tma_atom_V_box)
-                gV_block, gV_box = self._box_views(mV_block, mV_box, kv_head)
+                v_views = self._box_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
@@ -900,14 +913,11 @@ class OSKForward:
                         pipe_decision.consumer_release(d_state)
                         d_state.advance()
                     if needed:
-                        self._load_block(pipe_v, v_state, tma_atom_V_block, gV_block, tma_atom_V_box, gV_box,
-                                         sV, pages, j * TILE_N, page_shift, page_mask)
+                        self._load_block(pipe_v, v_state, v_src, v_views, pages, j * TILE_N)
                         v_state.advance()
             else:
                 self._prefetch_next_wave(mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
-                                         tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK,
-                                         tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV,
-                                         bid, group, page_shift, page_mask, tidx)
+                                         k_src, v_src, bid, group, tidx)
             cute.arch.cp_async_wait_group(0)
         else:
             # ================================================ consumer warp groups
