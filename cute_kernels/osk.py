@@ -397,6 +397,13 @@ class OSKForward:
                 tXsX[None, m, None].fill(0)
 
     @cute.jit
+    def _work_tile(self, mTileOrder, mQtiles, t):
+        """Work tile ``t``'s query tile, head, request, first row and row count (plan tables)."""
+        qt = mTileOrder[t, 0]
+        head = mTileOrder[t, 1]
+        return qt, head, mQtiles[qt, QT_REQUEST], mQtiles[qt, QT_ROW_START], mQtiles[qt, QT_ROWS]
+
+    @cute.jit
     def _listed_block(self, mOrder, qt, head, it, num_sel):
         """Entry ``it`` of the tile's order, 0 past its end.  Loops read it one block ahead,
         so that the load's latency hides under a block's work."""
@@ -477,10 +484,7 @@ class OSKForward:
         the SM count)."""
         nb = bid + cute.arch.nsmid()
         if nb < mTileOrder.shape[0]:
-            qt = mTileOrder[nb, 0]
-            head = mTileOrder[nb, 1]
-            row_start = mQtiles[qt, QT_ROW_START]
-            rows = mQtiles[qt, QT_ROWS]
+            qt, head, req, row_start, rows = self._work_tile(mTileOrder, mQtiles, nb)
             line = 1024 // self.dtype.width  # elements of a 128-byte line
             for i in cutlass.range_constexpr(TILE_M // PREFETCH_THREADS):  # a row a thread per trip
                 r = tidx + PREFETCH_THREADS * i
@@ -489,7 +493,6 @@ class OSKForward:
                     for c in cutlass.range_constexpr(self.head_dim // line):
                         nvvm_x.prefetch_l2(row + c * line)
             if tidx % 32 == 0:
-                req = mQtiles[qt, QT_REQUEST]
                 j = mOrder[qt, head, 0]
                 pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req],
                                           k_src.page_shift)
@@ -812,12 +815,8 @@ class OSKForward:
         bid, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
-        qt = mTileOrder[bid, 0]
-        head = mTileOrder[bid, 1]
-        req = mQtiles[qt, QT_REQUEST]
+        qt, head, req, row_start, rows = self._work_tile(mTileOrder, mQtiles, bid)
         q_index = mQtiles[qt, QT_INDEX]
-        row_start = mQtiles[qt, QT_ROW_START]
-        rows = mQtiles[qt, QT_ROWS]
         num_sel = mQtiles[qt, QT_NUM_SELECTED]
         q_len = mQoLens[req]
         kv_len = mKvLens[req]
