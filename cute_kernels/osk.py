@@ -39,22 +39,23 @@ Kernel
 One CTA of three warp groups (384 threads) owns one work tile = (128-row query tile,
 query head):
 
-- warp group 0, the producer (register budget lowered with ``setmaxnreg``), loads Q
-  with cp.async; then warp 3 walks the tile's order and, per logical key block j,
-  loads K_j by TMA straight from the paged cache into a 2-stage ring of 128B-swizzled
-  smem buffers completed by transaction-count mbarriers (``PipelineTmaAsync``): one
-  128-row box when a page holds whole blocks (page size >= 128: a slice of one page),
-  else 128/16 boxes of 16 rows (several pages per block; every page size is a multiple
-  of 16, so a box never crosses a page).  The order entry and the block's page indices
-  are read before the ring slot is acquired, so that their latency hides under that
-  wait.  Warp 2 loads V_j the same way (into a 3-stage ring: the delta = 0 loop frees
+- warp group 0, the producer (register budget lowered with ``setmaxnreg``): warp 3
+  loads Q with one TMA (a TILE_M-row box; rows past a request's end read the next
+  request's q or zeros, and never reach an output), then walks the tile's order and, per
+  logical key block j, loads K_j by TMA straight from the paged cache into a 2-stage
+  ring of 128B-swizzled smem buffers completed by transaction-count mbarriers
+  (``PipelineTmaAsync``): one 128-row box when a page holds whole blocks (page size >=
+  128: a slice of one page), else 128/16 boxes of 16 rows (several pages per block;
+  every page size is a multiple of 16, so a box never crosses a page).  The order entry
+  and the block's page indices are read before the ring slot is acquired, so that their
+  latency hides under that wait.  Warp 2 loads V_j the same way (into a 3-stage ring: the delta = 0 loop frees
   V_{j-1} one block late), but with stage 2 on only for the blocks the
   consumers' vote computes (decisions reach it through a small smem ring,
   ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
   past kv_len inside a page, so for a partial last block the consumers zero those V
   rows in smem before PV (masked K columns are overwritten with -inf).  Warps 0 and 1
-  then bring into L2 the Q rows and the first block's K and V of the tile one wave
-  ahead (``bid + %nsmid``), which would otherwise come from DRAM while its SM waits;
+  bring into L2 the Q box and the first block's K and V of the tile one wave ahead
+  (``bid + %nsmid``), which would otherwise come from DRAM while its SM waits;
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
   S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
   unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
@@ -164,7 +165,6 @@ VOTE_SLOTS = 4
 # session 8)
 K_PRODUCER_WARP = 3
 V_PRODUCER_WARP = 2
-PREFETCH_THREADS = 64  # producer warps 0 and 1: the next wave's loads (_prefetch_next_wave)
 PRODUCER_REGS = 40  # 232 / 40: no spills with P(j-1) live next to S(j) and O
 CONSUMER_REGS = 232
 
@@ -249,7 +249,7 @@ def _mn_layout(acc_layout):
 
 
 def _row_offset(mX, row, head):
-    """Element offset of (row, head) in a [rows, heads, D] tensor (q or o)."""
+    """Element offset of (row, head) in o [rows, heads, D]."""
     return Int64(row) * mX.stride[0] + Int64(head) * mX.stride[1]
 
 
@@ -265,8 +265,8 @@ def _frgA_layout(acc_layout):
 
 
 class OSKForward:
-    """The kernel for one (dtype, head_dim): a producer warp group (Q by cp.async, K/V by
-    TMA from one warp) and two wgmma consumer warp groups; one CTA per work tile."""
+    """The kernel for one (dtype, head_dim): a producer warp group (Q, K and V by TMA) and two
+    wgmma consumer warp groups; one CTA per work tile."""
 
     def __init__(self, dtype, head_dim: int, k_stages: int = K_STAGES, v_stages: int = V_STAGES):
         self.dtype = dtype
@@ -311,10 +311,13 @@ class OSKForward:
 
         @cute.struct
         class SharedStorage:
-            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             mbar_k: cute.struct.MemRange[cutlass.Int64, 2 * self.k_stages]
             mbar_v: cute.struct.MemRange[cutlass.Int64, 2 * self.v_stages]
             mbar_decision: cute.struct.MemRange[cutlass.Int64, 2 * DECISION_SLOTS]
+            # not first: Q's TMA completing on the storage's base address makes ptxas keep that
+            # base, which every other barrier is addressed from, in an ordinary register, and
+            # move it into a uniform one at each use in the block loops (bench/NOTES.md session 17)
+            mbar_q: cute.struct.MemRange[cutlass.Int64, 2]
             decision: cute.struct.MemRange[Int32, DECISION_SLOTS]
             vote: cute.struct.MemRange[Int32, VOTE_SLOTS]  # the last block each slot saw computed
             sQ: cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(sQ_layout)], 1024]
@@ -323,15 +326,7 @@ class OSKForward:
 
         copy_elems = 128 // dtype.width
         thr_per_row = 64 // copy_elems
-        atom_g2s = cute.make_copy_atom(
-            cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL), dtype, num_bits_per_copy=128
-        )
         v_layout = cute.make_layout((1, copy_elems))
-        tiled_copy_g2s = cute.make_tiled_copy_tv(
-            atom_g2s,
-            cute.make_layout((NUM_PRODUCER_THREADS // thr_per_row, thr_per_row), stride=(thr_per_row, 1)),
-            v_layout,
-        )
         atom_store = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
         tiled_copy_o = cute.make_tiled_copy_tv(
             atom_store,
@@ -357,6 +352,10 @@ class OSKForward:
         # BOX rows (BOX = 16 divides every page size), TILE_N / BOX boxes per block.
         stage_layout = cute.select(sK_layout, mode=[0, 1])
         op = cpasync.CopyBulkTensorTileG2SOp()
+        # Q: one TILE_M-row box of (row, d, head); rows past a request's end are read too (they
+        # belong to the next request, or are zero past total_q) and never reach an output
+        tma_atom_Q, mQ_rows = cpasync.make_tiled_tma_atom(
+            op, cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1])), sQ_layout, (TILE_M, D))
         tma = []
         for mX in (mK, mV):
             view = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
@@ -365,12 +364,12 @@ class OSKForward:
                     op, view, cute.composition(stage_layout, (rows, D)), (rows, D)))
         tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, tma_atom_V_block, mV_block, tma_atom_V_box, mV_box = tma
         self.kernel(
-            mQ, mK_block, mK_box, mV_block, mV_box, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens,
+            mQ_rows, mK_block, mK_box, mV_block, mV_box, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens,
             mKvLens, mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
             sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
-            sQ_layout, sK_layout, sV_layout, tiled_copy_g2s, tiled_copy_o, tiled_mma_qk, tiled_mma_qk_half,
+            sQ_layout, sK_layout, sV_layout, tiled_copy_o, tiled_mma_qk, tiled_mma_qk_half,
             tiled_mma_pv,
-            tma_atom_K_block, tma_atom_K_box, tma_atom_V_block, tma_atom_V_box, SharedStorage,
+            tma_atom_Q, tma_atom_K_block, tma_atom_K_box, tma_atom_V_block, tma_atom_V_box, SharedStorage,
         ).launch(
             grid=[num_tiles, 1, 1],
             block=[NUM_THREADS, 1, 1],
@@ -381,20 +380,13 @@ class OSKForward:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def _load_rows(self, mX, tiled_copy, tXsX, tXcX, row_off, row_ok):
-        for m in cutlass.range_constexpr(cute.size(tXsX, mode=[1])):
-            if row_ok[m]:
-                for k in cutlass.range_constexpr(cute.size(tXsX, mode=[2])):
-                    col = tXcX[0, m, k][1]
-                    gptr = cute.make_ptr(
-                        mX.element_type,
-                        (mX.iterator + (row_off[m] + Int64(col))).toint(),
-                        cute.AddressSpace.gmem,
-                        assumed_align=16,
-                    )
-                    cute.copy(tiled_copy, cute.make_tensor(gptr, tXsX[None, m, k].layout), tXsX[None, m, k])
-            else:
-                tXsX[None, m, None].fill(0)
+    def _q_box(self, tma_atom_Q, mQ_rows, sQ, row_start: Int32, head: Int32):
+        """Q's TMA partitions (smem, gmem) of the tile's TILE_M rows from ``row_start``, one head."""
+        gQ = cute.local_tile(cute.domain_offset((row_start, 0, 0), mQ_rows)[None, None, head],
+                             (TILE_M, self.head_dim), (0, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                                           cute.group_modes(gQ, 0, 2))
+        return tQsQ, tQgQ
 
     @cute.jit
     def _work_tile(self, mTileOrder, mQtiles, t):
@@ -475,28 +467,24 @@ class OSKForward:
         self._tma_block(src, views, pages, jstart, state.index, pipe.producer_get_barrier(state), prefetch=False)
 
     @cute.jit
-    def _prefetch_next_wave(self, mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
-                            k_src: PagedSource, v_src: PagedSource, bid: Int32, group: Int32, tidx: Int32):
-        """Producer warps 0 and 1 (idle once Q is issued) bring into L2 what the tile one wave
-        ahead waits for first: its Q rows and its first block's K (warp 0) and V (warp 1).
+    def _prefetch_next_wave(self, tma_atom_Q, mQ_rows, sQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder,
+                            mBlockPages, k_src: PagedSource, v_src: PagedSource, bid: Int32, group: Int32,
+                            tidx: Int32):
+        """Producer warps 0 and 1 (otherwise idle) bring into L2 what the tile one wave ahead
+        waits for first: its Q box and its first block's K (warp 0) and V (warp 1).
         With one CTA an SM, that tile's CTA starts as soon as one CTA of this wave ends, and
         its Q and first block otherwise come from DRAM while the whole SM waits (%nsmid bounds
         the SM count)."""
         nb = bid + cute.arch.nsmid()
         if nb < mTileOrder.shape[0]:
-            qt, head, req, row_start, rows = self._work_tile(mTileOrder, mQtiles, nb)
-            line = 1024 // self.dtype.width  # elements of a 128-byte line
-            for i in cutlass.range_constexpr(TILE_M // PREFETCH_THREADS):  # a row a thread per trip
-                r = tidx + PREFETCH_THREADS * i
-                if r < rows:
-                    row = mQ.iterator + _row_offset(mQ, row_start + r, head)
-                    for c in cutlass.range_constexpr(self.head_dim // line):
-                        nvvm_x.prefetch_l2(row + c * line)
+            qt, head, req, row_start, _ = self._work_tile(mTileOrder, mQtiles, nb)
             if tidx % 32 == 0:
                 j = mOrder[qt, head, 0]
                 pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req],
                                           k_src.page_shift)
                 if tidx == 0:
+                    _, tQgQ = self._q_box(tma_atom_Q, mQ_rows, sQ, row_start, head)
+                    cute.prefetch(tma_atom_Q, tQgQ)
                     self._tma_block(k_src, self._box_views(k_src, head // group), pages, j * TILE_N, None, None,
                                     prefetch=True)
                 else:
@@ -716,7 +704,6 @@ class OSKForward:
         walk.pipe_k.consumer_wait(kst)
         if const_expr(pingpong):
             self._sched_wait(walk.wg)
-        cute.arch.fence_view_async_shared()  # Q by cp.async (generic proxy) -> wgmma (async proxy)
         acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
         self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
         if const_expr(pingpong):
@@ -773,7 +760,7 @@ class OSKForward:
     @cute.kernel
     def kernel(
         self,
-        mQ: cute.Tensor,
+        mQ_rows: cute.Tensor,
         mK_block: cute.Tensor,
         mK_box: cute.Tensor,
         mV_block: cute.Tensor,
@@ -798,11 +785,11 @@ class OSKForward:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
-        tiled_copy_g2s: cute.TiledCopy,
         tiled_copy_o: cute.TiledCopy,
         tiled_mma_qk: cute.TiledMma,
         tiled_mma_qk_half: cute.TiledMma,
         tiled_mma_pv: cute.TiledMma,
+        tma_atom_Q,
         tma_atom_K_block,
         tma_atom_K_box,
         tma_atom_V_block,
@@ -833,15 +820,13 @@ class OSKForward:
         if tidx < VOTE_SLOTS:
             sVote[tidx] = Int32(-1)  # no block computed yet (ordered by the barrier below)
 
-        producer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_PRODUCER_THREADS)
-        consumer = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_THREADS)
-        pipe_q = pipeline.PipelineCpAsync.create(
-            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1,
-            producer_group=producer, consumer_group=consumer, defer_sync=True,
-        )
         tma_bytes = TILE_N * D * (dtype.width // 8)
         one = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1)
         consumer_warps = pipeline.CooperativeGroup(pipeline.Agent.Thread, NUM_CONSUMER_WARPS)
+        pipe_q = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar_q.data_ptr(), num_stages=1, producer_group=one,
+            consumer_group=consumer_warps, tx_count=TILE_M * D * (dtype.width // 8), defer_sync=True,
+        )
         pipe_k = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar_k.data_ptr(), num_stages=self.k_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
@@ -862,25 +847,15 @@ class OSKForward:
         if warp_idx < 4:
             # ================================================= producer warp group
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            thr_copy = tiled_copy_g2s.get_slice(tidx)
-            tQsQ = thr_copy.partition_D(sQ)
-            tXcX = thr_copy.partition_S(cute.make_identity_tensor((TILE_M, D)))
-            n_rows = cute.size(tQsQ, mode=[1])
-            row_off = cute.make_rmem_tensor((n_rows,), Int64)
-            row_ok = cute.make_rmem_tensor((n_rows,), cutlass.Boolean)
-            for m in cutlass.range_constexpr(n_rows):
-                r = tXcX[0, m, 0][0]
-                row_ok[m] = r < rows
-                row_off[m] = _row_offset(mQ, row_start + r, head)
-            q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
-            self._load_rows(mQ, tiled_copy_g2s, tQsQ, tXcX, row_off, row_ok)
-            pipe_q.producer_commit(q_state)
-
             page_mask = (Int32(1) << page_shift) - 1
             k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift, page_mask)
             v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift, page_mask)
             if warp_idx == K_PRODUCER_WARP:
-                # K of every block in the tile's order
+                # Q, then K of every block in the tile's order
+                q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
+                pipe_q.producer_acquire(q_state)
+                tQsQ, tQgQ = self._q_box(tma_atom_Q, mQ_rows, sQ, row_start, head)
+                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 cpasync.prefetch_descriptor(tma_atom_K_block)
                 cpasync.prefetch_descriptor(tma_atom_K_box)
                 k_views = self._box_views(k_src, kv_head)
@@ -915,9 +890,8 @@ class OSKForward:
                         self._load_block(pipe_v, v_state, v_src, v_views, pages, j * TILE_N)
                         v_state.advance()
             else:
-                self._prefetch_next_wave(mQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
-                                         k_src, v_src, bid, group, tidx)
-            cute.arch.cp_async_wait_group(0)
+                self._prefetch_next_wave(tma_atom_Q, mQ_rows, sQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr,
+                                         mOrder, mBlockPages, k_src, v_src, bid, group, tidx)
         else:
             # ================================================ consumer warp groups
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
