@@ -48,9 +48,9 @@ query head):
   128: a slice of one page), else 128/16 boxes of 16 rows (several pages per block;
   every page size is a multiple of 16, so a box never crosses a page).  The order entry
   and the block's page indices are read before the ring slot is acquired, so that their
-  latency hides under that wait.  Warp 2 loads V_j the same way (into a 3-stage ring: the delta = 0 loop frees
-  V_{j-1} one block late), but with stage 2 on only for the blocks the
-  consumers' vote computes (decisions reach it through a small smem ring,
+  latency hides under that wait.  Warp 2 loads V_j the same way (into a 3-stage ring:
+  the delta = 0 loop frees V_{j-1} one block late), but with stage 2 on only for the
+  blocks the consumers' vote computes (decisions reach it through a small smem ring,
   ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
   past kv_len inside a page, so for a partial last block the consumers zero those V
   rows in smem before PV (masked K columns are overwritten with -inf).  Warps 0 and 1
