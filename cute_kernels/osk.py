@@ -433,6 +433,13 @@ class OSKForward:
         return g_block, g_box
 
     @cute.jit
+    def _loader_views(self, src: PagedSource, kv_head):
+        """A loader warp's setup: its TMA descriptors prefetched, and ``_box_views``."""
+        cpasync.prefetch_descriptor(src.tma_block)
+        cpasync.prefetch_descriptor(src.tma_box)
+        return self._box_views(src, kv_head)
+
+    @cute.jit
     def _tma_block(self, src: PagedSource, views, pages, jstart: Int32, stage, mbar, prefetch: cutlass.Constexpr):
         """The TMA of one logical key block (``views`` from ``_box_views``, pages from
         ``_block_pages``): one TILE_N-row box when a page holds whole blocks, else TILE_N / BOX
@@ -856,9 +863,7 @@ class OSKForward:
                 pipe_q.producer_acquire(q_state)
                 tQsQ, tQgQ = self._q_box(tma_atom_Q, mQ_rows, sQ, row_start, head)
                 cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
-                cpasync.prefetch_descriptor(tma_atom_K_block)
-                cpasync.prefetch_descriptor(tma_atom_K_box)
-                k_views = self._box_views(k_src, kv_head)
+                k_views = self._loader_views(k_src, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
@@ -870,9 +875,7 @@ class OSKForward:
             elif warp_idx == V_PRODUCER_WARP:
                 # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
                 # only once the vote has decided to compute it (the first block always is)
-                cpasync.prefetch_descriptor(tma_atom_V_block)
-                cpasync.prefetch_descriptor(tma_atom_V_box)
-                v_views = self._box_views(v_src, kv_head)
+                v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
