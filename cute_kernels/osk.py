@@ -191,6 +191,15 @@ class TileRows:
 
 
 @dataclass(frozen=True)
+class QSource:
+    """Q as its TMA reads it: the atom, the (row, d, head) view of q and the smem buffer."""
+
+    tma: cute.CopyAtom
+    m_rows: cute.Tensor
+    smem: cute.Tensor
+
+
+@dataclass(frozen=True)
 class PagedSource:
     """K or V as its TMA reads it from the paged cache: the atoms and (page row, d, kv head,
     page) views of its two boxes (a whole TILE_N-row block, for pages that hold whole blocks,
@@ -375,11 +384,11 @@ class OSKForward:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def _q_box(self, tma_atom_Q, mQ_rows, sQ, row_start: Int32, head: Int32):
+    def _q_box(self, src: QSource, row_start: Int32, head: Int32):
         """Q's TMA partitions (smem, gmem) of the tile's TILE_M rows from ``row_start``, one head."""
-        gQ = cute.local_tile(cute.domain_offset((row_start, 0, 0), mQ_rows)[None, None, head],
+        gQ = cute.local_tile(cute.domain_offset((row_start, 0, 0), src.m_rows)[None, None, head],
                              (TILE_M, self.head_dim), (0, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(tma_atom_Q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+        tQsQ, tQgQ = cpasync.tma_partition(src.tma, 0, cute.make_layout(1), cute.group_modes(src.smem, 0, 2),
                                            cute.group_modes(gQ, 0, 2))
         return tQsQ, tQgQ
 
@@ -469,7 +478,7 @@ class OSKForward:
         self._tma_block(src, views, pages, jstart, state.index, pipe.producer_get_barrier(state), prefetch=False)
 
     @cute.jit
-    def _prefetch_next_wave(self, tma_atom_Q, mQ_rows, sQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder,
+    def _prefetch_next_wave(self, q_src: QSource, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder,
                             mBlockPages, k_src: PagedSource, v_src: PagedSource, bid: Int32, group: Int32,
                             tidx: Int32):
         """Producer warps 0 and 1 (otherwise idle) bring into L2 what the tile one wave ahead
@@ -485,8 +494,8 @@ class OSKForward:
                 pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req],
                                           k_src.page_shift)
                 if tidx == 0:
-                    _, tQgQ = self._q_box(tma_atom_Q, mQ_rows, sQ, row_start, head)
-                    cute.prefetch(tma_atom_Q, tQgQ)
+                    _, tQgQ = self._q_box(q_src, row_start, head)
+                    cute.prefetch(q_src.tma, tQgQ)
                     self._tma_block(k_src, self._box_views(k_src, head // group), pages, j * TILE_N, None, None,
                                     prefetch=True)
                 else:
@@ -852,12 +861,13 @@ class OSKForward:
             page_mask = (Int32(1) << page_shift) - 1
             k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift, page_mask)
             v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift, page_mask)
+            q_src = QSource(tma_atom_Q, mQ_rows, sQ)
             if warp_idx == K_PRODUCER_WARP:
                 # Q, then K of every block in the tile's order
                 q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
                 pipe_q.producer_acquire(q_state)
-                tQsQ, tQgQ = self._q_box(tma_atom_Q, mQ_rows, sQ, row_start, head)
-                cute.copy(tma_atom_Q, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
+                tQsQ, tQgQ = self._q_box(q_src, row_start, head)
+                cute.copy(q_src.tma, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 k_views = self._loader_views(k_src, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
                 j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
@@ -888,8 +898,8 @@ class OSKForward:
                         self._load_block(pipe_v, v_state, v_src, v_views, pages, j * TILE_N)
                         v_state.advance()
             else:
-                self._prefetch_next_wave(tma_atom_Q, mQ_rows, sQ, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr,
-                                         mOrder, mBlockPages, k_src, v_src, bid, group, tidx)
+                self._prefetch_next_wave(q_src, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
+                                         k_src, v_src, bid, group, tidx)
         else:
             # ================================================ consumer warp groups
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
