@@ -211,7 +211,10 @@ class PagedSource:
     m_box: cute.Tensor
     smem: cute.Tensor
     page_shift: Int32
-    page_mask: Int32
+
+    @property
+    def page_mask(self):
+        return (Int32(1) << self.page_shift) - 1
 
 
 @dataclass(frozen=True)
@@ -858,9 +861,8 @@ class OSKForward:
         if warp_idx < 4:
             # ================================================= producer warp group
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            page_mask = (Int32(1) << page_shift) - 1
-            k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift, page_mask)
-            v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift, page_mask)
+            k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift)
+            v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift)
             q_src = QSource(tma_atom_Q, mQ_rows, sQ)
             if warp_idx == K_PRODUCER_WARP:
                 # Q, then K of every block in the tile's order
