@@ -27,7 +27,9 @@ valid rows, read straight from the paged cache through ``block_pages`` as OSK re
 them, written to ``kbar``.  Each CTA first lets ``KAPRank`` launch.
 
 ``KAPRank``, one CTA of 256 threads per (query tile, kv head) for the query heads of
-that kv head, so that each ``kbar`` row is read from L2 once per group:
+that kv head, so that each ``kbar`` row is read from L2 once per group.  Each CTA first
+lets the OSK launch that follows it in ``cosa.run`` start (its CTAs set up and read the
+plan until this grid has completed):
 
 - the means of the tile's rows of q for each of those heads, written to ``qbar``; they
   need only q, so they are computed while ``KAPPool`` still runs -- q is most of the
@@ -225,6 +227,8 @@ class KAPRank:
     def kernel(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
                mRankBase: cute.Tensor, mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor,
                mOrder: cute.Tensor, SharedStorage: cutlass.Constexpr):
+        # OSK may launch as soon as every CTA of this grid has: its CTAs set up meanwhile
+        cute.arch.griddepcontrol_launch_dependents()
         D = self.head_dim
         tidx, _, _ = cute.arch.thread_idx()
         bid_x, kv_head, _ = cute.arch.block_idx()

@@ -12,7 +12,10 @@ log_delta, kv_layout="NHD", causal=True) -> None``
     ``computed`` and ``skipped`` in place; no host sync and no allocation, so it
     is CUDA-graph capturable once compiled (tests/test_cuda_graph.py).  Every
     (qtile, head) listed in ``tile_order`` is written (rows of a tile with no
-    computed key: o = 0, lse = -inf).
+    computed key: o = 0, lse = -inf).  A programmatic dependent launch: its CTAs may
+    start while the kernel before it (in ``cosa.run`` the proxy's ``KAPRank``) ends, and
+    read the plan tables (complete before that kernel started) until it has completed
+    (``griddepcontrol.wait``).
 
     - ``q``: [total_q, Hq, D] fp16/bf16, last dim contiguous.
     - ``k_cache``, ``v_cache``: [num_pages, page_size, Hkv, D] (``kv_layout="NHD"``)
@@ -383,6 +386,7 @@ class OSKForward:
             smem=SharedStorage.size_in_bytes(),
             stream=stream,
             min_blocks_per_mp=1,
+            use_pdl=True,
         )
 
     # ------------------------------------------------------------------ producer
@@ -857,6 +861,9 @@ class OSKForward:
         )
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()
+        # Launched as a programmatic dependent: so far only the plan was read; the kernel before
+        # (in cosa.run the proxy, which writes the order) may still be running
+        cute.arch.griddepcontrol_wait()
 
         if warp_idx < 4:
             # ================================================= producer warp group
