@@ -210,10 +210,27 @@ def format_targets(targets: list[Target]) -> str:
 
 # ----------------------------------------------------------------------------- measuring
 
-def time_samples(fn, warmup: int, repeats: int) -> list[float]:
+def settle_calls(elapsed_s: float, calls: int, settle_s: float) -> int:
+    """Further back-to-back calls that bring ``calls`` calls, which took ``elapsed_s`` seconds, to
+    at least ``settle_s`` seconds."""
+    if elapsed_s >= settle_s or calls < 1:
+        return 0
+    if elapsed_s <= 0:
+        return calls
+    return math.ceil((settle_s - elapsed_s) * calls / elapsed_s)
+
+
+def time_samples(fn, warmup: int, repeats: int, settle_s: float = 0.0) -> list[float]:
     """CUDA-event times in ms of ``repeats`` back-to-back calls of ``fn``, after ``warmup`` calls
-    (the first compiles).  L2 is not flushed between calls."""
+    and then as many more as fill ``settle_s`` seconds: under load the H200's clock follows the
+    power the work draws within about 0.1-0.2 s, so a short row timed straight after another
+    would run at the clock that row left (bench/NOTES.md, session 18).  L2 is not flushed
+    between calls."""
+    start = time.perf_counter()
     for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    for _ in range(settle_calls(time.perf_counter() - start, warmup, settle_s)):
         fn()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
               for _ in range(repeats)]
@@ -536,7 +553,7 @@ class Runner:
                         group, seq, None, fa4_block_sparse_name(budget),
                         lambda: self.fa4_block_sparse(seq, q, k, v, plan_, sm_scale))
             self.prepare_cosa(group, seq, paged, q, fa4_dense_out, fa4_sparse_out)
-        sample = lambda call: time_samples(call, self.args.warmup, self.args.repeats)  # noqa: E731
+        sample = lambda call: time_samples(call, self.args.warmup, self.args.repeats, self.args.settle)  # noqa: E731
         for row in time_in_rounds(group, self.args.rounds, sample):
             self.add(row)
 
@@ -577,6 +594,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", default="bench_attention.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="8K and 32K only")
     parser.add_argument("--warmup", type=int, default=3, help="calls before each row's timed calls, every round")
+    parser.add_argument("--settle", type=float, default=0.3,
+                        help="seconds of a row's own calls before its timed calls, every round (its clock settles)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row and round")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over all rows of a length; a row's time is the median of all its calls")
@@ -587,8 +606,8 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.seq_lens is None:
         args.seq_lens = [8192, 32768] if args.quick else [8192, 32768, 131072]
-    if args.warmup < 3 or args.repeats < 5 or args.rounds < 1:
-        parser.error("need --warmup >= 3, --repeats >= 5 and --rounds >= 1")
+    if args.warmup < 3 or args.repeats < 5 or args.rounds < 1 or not args.settle >= 0:
+        parser.error("need --warmup >= 3, --repeats >= 5, --rounds >= 1 and --settle >= 0")
     unit = max([BLOCK] + args.page_sizes)
     for n in args.seq_lens + ([args.calibrate_len] if args.calibrate_len else []):
         if n <= 0 or n % unit:
@@ -619,8 +638,8 @@ def main(argv=None) -> int:
         return 1
     runner = Runner(args)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn.cute {runner.fa4_version}, "
-          f"cosa {cosa.__version__}; {args.rounds} rounds of warm-up {args.warmup} and {args.repeats} timed calls "
-          f"per row, medians over all, L2 not flushed", flush=True)
+          f"cosa {cosa.__version__}; {args.rounds} rounds of, per row, a warm-up of {args.warmup} calls and at "
+          f"least {args.settle:g} s, then {args.repeats} timed calls; medians over all, L2 not flushed", flush=True)
     print(f"cosa.run uses the {'OSK kernel' if runner.uses_kernel else 'torch reference'}", flush=True)
     print(TABLE_HEADER, flush=True)
     started = time.time()

@@ -97,3 +97,19 @@ def test_time_in_rounds_reports_a_row_that_fails_and_times_the_others():
             assert row.ms is None and row.note == "RuntimeError: CUDA error: an illegal memory access"
         elif row.name != "sdpa cudnn":
             assert row.ms is not None and visits.count(row.name) == rounds
+
+
+def test_settle_calls_fill_the_settling_time_at_the_warm_up_rate():
+    rng = random.Random()
+    calls, per_call, settle = rng.randrange(3, 10), rng.uniform(1e-4, 0.05), rng.uniform(0.2, 0.5)
+    extra = bench_attention.settle_calls(calls * per_call, calls, settle)
+    assert (calls + extra) * per_call >= settle > (calls + extra - 1) * per_call
+    assert bench_attention.settle_calls(settle + per_call, calls, settle) == 0   # warm-up already long enough
+    assert bench_attention.settle_calls(calls * per_call, calls, 0.0) == 0       # --settle 0: the old warm-up
+
+
+@pytest.mark.parametrize("option", [["--settle", "-0.1"], ["--settle", "nan"], ["--warmup", "2"], ["--repeats", "4"]])
+def test_parse_args_rejects_too_little_warm_up_or_timing(option, capsys):
+    with pytest.raises(SystemExit):
+        bench_attention.parse_args(option)
+    assert "need --warmup >= 3, --repeats >= 5, --rounds >= 1 and --settle >= 0" in capsys.readouterr().err
