@@ -217,6 +217,7 @@ class PagedSource:
 
     @property
     def page_mask(self):
+        """The bits of a key index below its page's first key."""
         return (Int32(1) << self.page_shift) - 1
 
 
