@@ -213,11 +213,10 @@ def format_targets(targets: list[Target]) -> str:
 def settle_calls(elapsed_s: float, calls: int, settle_s: float) -> int:
     """Further back-to-back calls that bring ``calls`` calls, which took ``elapsed_s`` seconds, to
     at least ``settle_s`` seconds."""
-    if elapsed_s >= settle_s or calls < 1:
+    if calls < 1 or elapsed_s >= settle_s:
         return 0
-    if elapsed_s <= 0:
-        return calls
-    return math.ceil((settle_s - elapsed_s) * calls / elapsed_s)
+    per_call = max(elapsed_s / calls, 1e-6)  # no call launches in less than a microsecond
+    return math.ceil((settle_s - elapsed_s) / per_call)
 
 
 def time_samples(fn, warmup: int, repeats: int, settle_s: float = 0.0) -> list[float]:
