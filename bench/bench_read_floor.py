@@ -16,7 +16,6 @@ Without a GPU it says so and exits 0.  bench/NOTES.md (session 19) compares the 
 proxy and with the proxy-share targets.
 """
 
-
 import argparse
 import json
 import statistics
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, GraphCall, time_samples  # noqa: E402
+from bench_attention import DTYPE, HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, GraphCall, time_samples  # noqa: E402
 
 THREADS = 256
 LOADS = 8                 # 16-byte loads a thread issues before it sums
@@ -36,8 +35,8 @@ GRAPH_CALLS = 10
 
 
 def proxy_bytes(seq: int) -> int:
-    """The bytes of q and K the proxy reads at ``seq`` tokens (bf16)."""
-    return seq * (NUM_QO_HEADS + NUM_KV_HEADS) * HEAD_DIM * 2
+    """The bytes of q and K the proxy reads at ``seq`` tokens."""
+    return seq * (NUM_QO_HEADS + NUM_KV_HEADS) * HEAD_DIM * DTYPE.itemsize
 
 
 @dataclass
@@ -53,7 +52,7 @@ class Row:
 
 
 def read_once_kernel():
-    """The compiled-on-first-call ``read once`` launcher: ``(x, sink, stream)``, ``x`` a 1-D
+    """The ``read once`` kernel, for ``cute.compile`` with ``(x, sink, stream)``: ``x`` a 1-D
     float32 tensor whose size is a multiple of 4, ``sink`` one float32 (written only if the sum
     is exactly -1, so that no load is dead and nothing else is stored)."""
     import cuda.bindings.driver as cuda
