@@ -19,8 +19,11 @@ qbar, kbar, order, *, kv_layout="NHD") -> None``
 
 Kernels
 -------
-Two launches; the second overlaps the first (programmatic dependent launch), because
-most of the bytes it reads (q) do not depend on the first:
+Two launches, the second a programmatic dependent of the first: its CTAs start on the SMs
+the first grid's CTAs leave, without waiting for that grid to end, and take q's means (most
+of the bytes the proxy reads, which do not depend on the first) before they wait for it.
+They do not run beside the first grid's CTAs: at 8K tokens no ``KAPRank`` CTA starts before
+``KAPPool``'s first CTAs exit (bench/NOTES.md, session 20).
 
 ``KAPPool``, one CTA of 128 threads per (key block, kv head): the mean of the block's
 valid rows, read straight from the paged cache through ``block_pages`` as OSK reads
@@ -32,8 +35,8 @@ lets the OSK launch that follows it in ``cosa.run`` start (its CTAs set up and r
 plan until this grid has completed):
 
 - the means of the tile's rows of q for each of those heads, written to ``qbar``; they
-  need only q, so they are computed while ``KAPPool`` still runs -- q is most of the
-  bytes the proxy reads -- and only then does the CTA wait for ``KAPPool``'s grid;
+  need only q, so they come before the CTA waits for ``KAPPool``'s grid, whose last CTAs
+  may still be running;
 - scores: 8 lanes per key block j < n (n = the tile's candidates) each dot a slice of
   ``qbar[h]`` with ``kbar[j]`` and reduce by shuffles; the score becomes the ranking
   key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << BLOCK_BITS``, in
@@ -164,7 +167,7 @@ class KAPPool:
     @cute.kernel
     def kernel(self, mK: cute.Tensor, mBlockPages: cute.Tensor, mKvBlockIndptr: cute.Tensor,
                mKvLens: cute.Tensor, mKbar: cute.Tensor, page_shift: Int32):
-        # KAPRank may start as soon as every CTA of this grid has: it pools q meanwhile
+        # KAPRank may launch once every CTA of this grid has: its CTAs take the SMs ours leave
         cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         block, kv_head, _ = cute.arch.block_idx()
@@ -251,7 +254,7 @@ class KAPRank:
         width = Int32(1) << log_width
         pass_heads = cutlass.min(cutlass.min(group, MAX_PASS_HEADS), MAX_KEY_BLOCKS >> log_width)
 
-        # q's means first: they do not depend on KAPPool, which may still be running.  Those
+        # q's means first: they do not depend on KAPPool, whose last CTAs may still run.  Those
         # of the first pass's heads go straight to shared memory as well.
         row_start = mQtiles[tile, _C.QT_ROW_START]
         num_rows = mQtiles[tile, _C.QT_ROWS]
