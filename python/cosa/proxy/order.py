@@ -84,6 +84,7 @@ def _score_code(scores: torch.Tensor) -> torch.Tensor:
     different payloads do not tie)."""
     if scores.dtype != torch.float32:
         # Too wide to pack: the score's rank within its row (NaN: the row length) is as good.
+        scores = scores.contiguous()  # searchsorted would copy a view's rows, with a warning
         return torch.searchsorted(scores.sort(dim=-1).values, scores)
     # The bits of |s| order like |s| (NaN above inf); negate them for s < 0 (False for NaN).
     magnitude = scores.abs().view(torch.int32)
