@@ -37,7 +37,8 @@ def test_read_once_compiles_for_sm90a():
     import cuda.bindings.driver as cuda
     from cutlass.cute.runtime import from_dlpack
 
-    x, sink = torch.zeros(bench_read_floor.THREADS * bench_read_floor.LOADS * 4 * 3 + 4), torch.zeros(1)
+    x, sink = torch.zeros(bench_read_floor.THREADS * bench_read_floor.LOADS * bench_read_floor.FLOATS_PER_LOAD * 3
+                          + bench_read_floor.FLOATS_PER_LOAD), torch.zeros(1)
     compiled = cute.compile(bench_read_floor.read_once_kernel(), from_dlpack(x, assumed_align=16),
                             from_dlpack(sink), cuda.CUstream(0))
     assert compiled is not None
