@@ -73,7 +73,7 @@ import torch
 from .. import _C
 from ..proxy.order import BLOCK_BITS
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _to_cute
+from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _row_offset, _to_cute
 from .osk import supported as _osk_supported
 
 import cutlass  # noqa: E402
@@ -263,7 +263,7 @@ class KAPRank:
         for h in cutlass.range(group, unroll=1):
             head = kv_head * group + h
             for m in cutlass.range_constexpr(self.mean.sweeps):
-                row_offset[m] = Int64(row_start + rows[m]) * mQ.stride[0] + Int64(head) * mQ.stride[1]
+                row_offset[m] = _row_offset(mQ, row_start + rows[m], head)
             cute.arch.barrier()  # the previous head's partial sums have been read
             mean = self.mean(mQ, row_offset, num_rows, partial)
             if tidx < D:

@@ -264,6 +264,11 @@ def _mn_layout(acc_layout):
     return cute.composition(acc_layout, mn)
 
 
+def _row_offset(mX, row, head):
+    """Element offset of (row, head) in a [rows, heads, D] tensor (q, o)."""
+    return Int64(row) * mX.stride[0] + Int64(head) * mX.stride[1]
+
+
 def _frgA_layout(acc_layout):
     """SM90 accumulator ((2,2,N/8),M,N') -> A-operand fragment ((2,2,2),M,(N/16,N'))."""
     lay = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
@@ -1109,7 +1114,7 @@ class OSKForward:
             for m in cutlass.range_constexpr(cute.size(tOrO, mode=[1])):
                 r = tOcO[0, m, 0][0]
                 if r < rows:
-                    base = Int64(row_start + r) * mO.stride[0] + Int64(head) * mO.stride[1]
+                    base = _row_offset(mO, row_start + r, head)
                     for k in cutlass.range_constexpr(cute.size(tOrO, mode=[2])):
                         col = tOcO[0, m, k][1]
                         gptr = cute.make_ptr(
