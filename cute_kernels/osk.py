@@ -247,6 +247,17 @@ class TileWalk:
     ctid: Int32
 
 
+def _reduce_by_threes(values: list, op):
+    """op (cutlass.max or cutlass.min) over traced values, as a tree of op(op(a, b), c), each of
+    which ptxas fuses into one three-input instruction."""
+    while len(values) > 1:
+        head = [op(op(a, b), c) for a, b, c in zip(values[0::3], values[1::3], values[2::3])]
+        values = head + values[3 * len(head):]
+        if len(values) == 2:
+            values = [op(values[0], values[1])]
+    return values[0]
+
+
 def _mn_layout(acc_layout):
     """Accumulator ((2,2[,V]),M,N) -> ((2,M),(2[,V],N)) row/column view layout."""
     cm = cute.make_layout(acc_layout.shape)
@@ -606,14 +617,22 @@ class OSKForward:
         self._quad_max(t)
 
     @cute.jit
-    def _thread_max(self, t: TileRows, acc_S):
+    def _thread_max(self, t: TileRows, acc_S, by_bits: cutlass.Constexpr = False):
         """mloc = this thread's maxima of its rows of masked S; returns its best gain over the
         running max.  The warp's vote on it equals the vote on the rows' maxima (the row max is
-        one of its four threads' maxima, and x * sm_scale - m is monotone in x)."""
+        one of its four threads' maxima, and x * sm_scale - m is monotone in x).  ``by_bits``:
+        the same maxima from S's bit patterns (``_row_max_bits``, half the instructions), for
+        the stage-2 loop, whose skipped blocks pay for every instruction beside the QKs
+        (bench/NOTES.md, session 22); in the ping-pong loop it measured no gain."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
+        if const_expr(by_bits):
+            acc_bits_mn = cute.make_tensor(cute.recast_tensor(acc_S, Int32).iterator, acc_S_mn.layout)
         want = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            if const_expr(by_bits):
+                mx = self._row_max_bits(acc_bits_mn, r)
+            else:
+                mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
             t.mloc[r] = mx
             d = -Float32.inf
             if mx != -Float32.inf:
@@ -621,6 +640,20 @@ class OSKForward:
             if t.tScS_mn[r, 0][0] < t.rows:
                 want = cute.arch.fmax(want, d)
         return want
+
+    @cute.jit
+    def _row_max_bits(self, acc_bits_mn, r: cutlass.Constexpr):
+        """The largest float32 of row r of this thread's S, found among their bit patterns read
+        as int32, which ptxas reduces three at a time (VIMNMX3: half the instructions of the
+        float maximum, bit-exact).  While one value is >= +0 the largest pattern is the largest
+        float.  Negative floats order inversely to their patterns, so where all are negative
+        (a fully masked row's -inf included) the smallest pattern is the largest float."""
+        row = [acc_bits_mn[r, c] for c in range(cute.size(acc_bits_mn, mode=[1]))]
+        bits = cute.make_rmem_tensor((1,), Int32)
+        bits[0] = _reduce_by_threes(row, cutlass.max)
+        if bits[0] < 0:
+            bits[0] = _reduce_by_threes(row, cutlass.min)
+        return cute.recast_tensor(bits, Float32)[0]
 
     @cute.jit
     def _quad_max(self, t: TileRows):
@@ -1028,7 +1061,7 @@ class OSKForward:
                     warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
                     pipe_k.consumer_release(kst)
                     self._mask(tile_rows, acc_S, jstart)
-                    want = self._thread_max(tile_rows, acc_S)
+                    want = self._thread_max(tile_rows, acc_S, by_bits=True)
                     # the next block's low half runs under the vote (issued on every path, past the
                     # last block on a stale stage whose result is never read)
                     knext = self._k_state(it + 1)

@@ -75,6 +75,26 @@ def falling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, rises):
     return qkv
 
 
+def repelling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, negative_shares):
+    """``make_batch``'s ``qkv`` whose logits are (nearly) all negative: q along a direction u,
+    K's 128-key blocks against it at random strengths, so that the stage-2 loop's row maxima
+    are negative and it finds them through ``_row_max_bits``' all-negative branch; the
+    strengths spread the maxima so that it skips some blocks.  Appends to ``negative_shares``
+    the share of the request's logits below zero."""
+    def qkv(_, q_len, kv_len):
+        u = torch.randn(head_dim, generator=generator, dtype=torch.float64)
+        u /= u.norm()
+        strength = 2.0 + 12.0 * torch.rand(-(-kv_len // 128), generator=generator, dtype=torch.float64)
+        q = 24.0 * u + 0.5 * torch.randn(q_len, num_qo_heads, head_dim, generator=generator, dtype=torch.float64)
+        k = -strength.repeat_interleave(128)[:kv_len, None, None] * u
+        k = k + 0.5 * torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        v = torch.randn(kv_len, num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        logits = torch.einsum("qhd,khd->qhk", q, k.repeat_interleave(num_qo_heads // num_kv_heads, 1))
+        negative_shares.append(float((logits < 0).double().mean()) if logits.numel() else 1.0)
+        return q, k, v
+    return qkv
+
+
 def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
              causal=True, combined=True, spare_pages=3, num_qo_heads=8, inputs=None,
              dense=False):
@@ -202,6 +222,20 @@ def test_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget, 
              q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=budget, delta=delta,
              inputs=partial(falling_inputs, rises=rises), dense=budget == 1.0 and delta == 0)
     assert max(rises) > math.log(osk.STALE_SUM_MAX), "the sink must raise some row's max past the limit"
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout", [
+    (torch.bfloat16, 128, 16, "NHD"), (torch.float16, 64, 128, "HND"),
+])
+def test_negative_logits(dtype, head_dim, page_size, layout):
+    # The stage-2 loop's row maxima come from S's bit patterns, whose order is the floats'
+    # only where a value is >= 0: rows whose logits are all negative take the other branch.
+    negative_shares = []
+    stats = run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
+                     q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=0.7, delta=0.5,
+                     inputs=partial(repelling_inputs, negative_shares=negative_shares))
+    assert min(negative_shares) > 0.99, "the inputs are built so that nearly every logit is negative"
+    assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
 
 
 def test_non_causal_equals_dense():
