@@ -251,8 +251,8 @@ def _reduce_by_threes(values: list, op):
     """op (cutlass.max or cutlass.min) over traced values, as a tree of op(op(a, b), c), each of
     which ptxas fuses into one three-input instruction."""
     while len(values) > 1:
-        head = [op(op(a, b), c) for a, b, c in zip(values[0::3], values[1::3], values[2::3])]
-        values = head + values[3 * len(head):]
+        triples = [op(op(a, b), c) for a, b, c in zip(values[0::3], values[1::3], values[2::3])]
+        values = triples + values[3 * len(triples):]
         if len(values) == 2:
             values = [op(values[0], values[1])]
     return values[0]
