@@ -222,6 +222,19 @@ class PagedSource:
 
 
 @dataclass(frozen=True)
+class PlanTables:
+    """The plan's tables, as the kernel reads them (csrc/remap.hpp's ``Plan`` builds them)."""
+
+    mBlockPages: cute.Tensor     # each logical key block's physical pages
+    mKvBlockIndptr: cute.Tensor  # a request's first row of mBlockPages
+    mQoLens: cute.Tensor
+    mKvLens: cute.Tensor
+    mQtiles: cute.Tensor         # a query tile's request, first row, rows, index and listed blocks
+    mTileOrder: cute.Tensor      # (query tile, head) of each work tile, in launch order
+    mOrder: cute.Tensor          # the order mask: blocks to visit, highest proxy score first
+
+
+@dataclass(frozen=True)
 class TileWalk:
     """What a consumer's walk over the tile's blocks uses: the first block's helper (both
     loops) and every block of the delta = 0 loop, whose two call sites alternate."""
@@ -417,11 +430,11 @@ class OSKForward:
         return tQsQ, tQgQ
 
     @cute.jit
-    def _work_tile(self, mTileOrder, mQtiles, t):
-        """Work tile ``t``'s query tile, head, request, first row and row count (plan tables)."""
-        qt = mTileOrder[t, 0]
-        head = mTileOrder[t, 1]
-        return qt, head, mQtiles[qt, QT_REQUEST], mQtiles[qt, QT_ROW_START], mQtiles[qt, QT_ROWS]
+    def _work_tile(self, plan: PlanTables, t):
+        """Work tile ``t``'s query tile, head, request, first row and row count."""
+        qt = plan.mTileOrder[t, 0]
+        head = plan.mTileOrder[t, 1]
+        return qt, head, plan.mQtiles[qt, QT_REQUEST], plan.mQtiles[qt, QT_ROW_START], plan.mQtiles[qt, QT_ROWS]
 
     @cute.jit
     def _listed_block(self, mOrder, qt, head, it, num_sel):
@@ -502,21 +515,20 @@ class OSKForward:
         self._tma_block(src, views, pages, jstart, state.index, pipe.producer_get_barrier(state), prefetch=False)
 
     @cute.jit
-    def _prefetch_next_wave(self, q_src: QSource, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder,
-                            mBlockPages, k_src: PagedSource, v_src: PagedSource, bid: Int32, group: Int32,
-                            tidx: Int32):
+    def _prefetch_next_wave(self, plan: PlanTables, q_src: QSource, k_src: PagedSource, v_src: PagedSource,
+                            bid: Int32, group: Int32, tidx: Int32):
         """Producer warps 0 and 1 (otherwise idle) bring into L2 what the tile one wave ahead
         waits for first: its Q box and its first block's K (warp 0) and V (warp 1).
         With one CTA an SM, that tile's CTA starts as soon as one CTA of this wave ends, and
         its Q and first block otherwise come from DRAM while the whole SM waits (%nsmid bounds
         the SM count)."""
         nb = bid + cute.arch.nsmid()
-        if nb < mTileOrder.shape[0]:
-            qt, head, req, row_start, _ = self._work_tile(mTileOrder, mQtiles, nb)
+        if nb < plan.mTileOrder.shape[0]:
+            qt, head, req, row_start, _ = self._work_tile(plan, nb)
             if tidx % 32 == 0:
-                j = mOrder[qt, head, 0]
-                pages = self._block_pages(mBlockPages, mKvBlockIndptr[req] + j, j * TILE_N, mKvLens[req],
-                                          k_src.page_shift)
+                j = plan.mOrder[qt, head, 0]
+                pages = self._block_pages(plan.mBlockPages, plan.mKvBlockIndptr[req] + j, j * TILE_N,
+                                          plan.mKvLens[req], k_src.page_shift)
                 if tidx == 0:
                     _, tQgQ = self._q_box(q_src, row_start, head)
                     cute.prefetch(q_src.tma, tQgQ)
@@ -859,7 +871,8 @@ class OSKForward:
         bid, _, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
 
-        qt, head, req, row_start, rows = self._work_tile(mTileOrder, mQtiles, bid)
+        plan = PlanTables(mBlockPages, mKvBlockIndptr, mQoLens, mKvLens, mQtiles, mTileOrder, mOrder)
+        qt, head, req, row_start, rows = self._work_tile(plan, bid)
         q_index = mQtiles[qt, QT_INDEX]
         num_sel = mQtiles[qt, QT_NUM_SELECTED]
         q_len = mQoLens[req]
@@ -946,8 +959,7 @@ class OSKForward:
                         self._load_block(pipe_v, v_state, v_src, v_views, pages, j * TILE_N)
                         v_state.advance()
             else:
-                self._prefetch_next_wave(q_src, mTileOrder, mQtiles, mKvLens, mKvBlockIndptr, mOrder, mBlockPages,
-                                         k_src, v_src, bid, group, tidx)
+                self._prefetch_next_wave(plan, q_src, k_src, v_src, bid, group, tidx)
         else:
             # ================================================ consumer warp groups
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
