@@ -873,11 +873,11 @@ class OSKForward:
 
         plan = PlanTables(mBlockPages, mKvBlockIndptr, mQoLens, mKvLens, mQtiles, mTileOrder, mOrder)
         qt, head, req, row_start, rows = self._work_tile(plan, bid)
-        q_index = mQtiles[qt, QT_INDEX]
-        num_sel = mQtiles[qt, QT_NUM_SELECTED]
-        q_len = mQoLens[req]
-        kv_len = mKvLens[req]
-        blk_base = mKvBlockIndptr[req]
+        q_index = plan.mQtiles[qt, QT_INDEX]
+        num_sel = plan.mQtiles[qt, QT_NUM_SELECTED]
+        q_len = plan.mQoLens[req]
+        kv_len = plan.mKvLens[req]
+        blk_base = plan.mKvBlockIndptr[req]
         kv_head = head // group
 
         smem = cutlass.memory.SmemAllocator()
@@ -931,11 +931,11 @@ class OSKForward:
                 cute.copy(q_src.tma, tQgQ, tQsQ, tma_bar_ptr=pipe_q.producer_get_barrier(q_state))
                 k_views = self._loader_views(k_src, kv_head)
                 k_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.k_stages)
-                j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
+                j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
-                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
-                    pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
+                    j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
+                    pages = self._block_pages(plan.mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
                     self._load_block(pipe_k, k_state, k_src, k_views, pages, j * TILE_N)
                     k_state.advance()
             elif warp_idx == V_PRODUCER_WARP:
@@ -944,11 +944,11 @@ class OSKForward:
                 v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
-                j_next = self._listed_block(mOrder, qt, head, Int32(0), num_sel)
+                j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
-                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
-                    pages = self._block_pages(mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
+                    j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
+                    pages = self._block_pages(plan.mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
                     needed = cutlass.Boolean(True)
                     if it > 0 and log_delta != -Float32.inf:
                         pipe_decision.consumer_wait(d_state)
@@ -1010,7 +1010,7 @@ class OSKForward:
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
             walk = TileWalk(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
-                          tOrVt, corr, mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
+                          tOrVt, corr, plan.mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
@@ -1067,7 +1067,7 @@ class OSKForward:
                 acc_lo.store(acc_next.load())
                 for it in cutlass.range(1, num_sel, unroll=1):
                     jstart = j_next * TILE_N
-                    j_next = self._listed_block(mOrder, qt, head, it + 1, num_sel)
+                    j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
                     kst = self._k_state(it)
                     v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
                     warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
