@@ -351,8 +351,9 @@ class Paged:
         return cls(page_size, cache, indptr([seq], k.device), kv_indptr, kv_indices, kv_last_page_len)
 
     def plan(self, budget: float, delta: float) -> cosa.Plan:
+        head_dim = self.cache[0].shape[-1]   # HEAD_DIM here; bench_osk_ab.py also plans head_dim 64
         return cosa.plan(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len,
-                         NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM, self.page_size, causal=True,
+                         NUM_QO_HEADS, NUM_KV_HEADS, head_dim, self.page_size, causal=True,
                          budget=budget, delta=delta, q_data_type=DTYPE)
 
 

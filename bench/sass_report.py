@@ -94,13 +94,13 @@ def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
     return sorted(loops, key=lambda loop: (loop.instructions, loop.start))
 
 
-def load_variant(path: str):
-    """The kernel module at ``path`` as a module of ``cosa.cute_kernels``, so that a verbatim copy
-    of osk.py (``from .aot import ...``) loads too, registered in ``sys.modules`` first
-    (dataclasses look their module up there while the module runs)."""
+def load_variant(path: str, name: str = "osk_variant"):
+    """The kernel module at ``path`` as the module ``name`` of ``cosa.cute_kernels``, so that a
+    verbatim copy of osk.py (``from .aot import ...``) loads too, registered in ``sys.modules``
+    first (dataclasses look their module up there while the module runs)."""
     import cosa.cute_kernels  # noqa: F401  (the parent package of the relative imports)
 
-    spec = importlib.util.spec_from_file_location("cosa.cute_kernels.osk_variant", path)
+    spec = importlib.util.spec_from_file_location(f"cosa.cute_kernels.{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

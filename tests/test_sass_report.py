@@ -109,3 +109,14 @@ def test_first_difference_names_where_two_listings_part():
     moved = [(0x10, "IADD3 R1, R2, R3"), (0x30, a[1][1])]
     assert first_difference(a, moved) == f"0x00020: {a[1][1]}  |  0x00030: {a[1][1]}"
     assert first_difference(a, a[:1]) == "2 against 1 instructions"
+
+
+def test_two_versions_load_side_by_side_under_their_own_names(tmp_path):
+    """bench_osk_ab.py loads a base and a new version in one process: neither replaces the other."""
+    versions = {}
+    for name, value in (("osk_base", random.randrange(100)), ("osk_new", random.randrange(100, 200))):
+        path = tmp_path / f"{name}.py"
+        path.write_text(f"VALUE = {value}\n")
+        versions[name] = (load_variant(str(path), name), value)
+    for name, (module, value) in versions.items():
+        assert module.__name__ == f"cosa.cute_kernels.{name}" and module.VALUE == value

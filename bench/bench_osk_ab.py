@@ -1,0 +1,198 @@
+"""Two versions of the OSK kernel against each other on bench_attention.py's workload: whether
+their outputs are bitwise equal, the ratio of their times, and each one's skip-cost fit.
+
+    python bench/bench_osk_ab.py BASE.py [--new NEW.py] [--seq-lens 32768 131072]
+                                 [--page-sizes 16 128] [--head-dim 128] [--json out.json]
+
+``BASE.py`` and ``NEW.py`` are versions of ``cute_kernels/osk.py``; a verbatim copy loads
+(``git show REV:cute_kernels/osk.py > base.py``). ``NEW`` defaults to the installed kernel.
+
+Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
+stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
+delta 0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel
+swapped for the version's ``osk_forward``, so a row's time includes the proxy, as in
+``bench_attention.py``, and the skip-cost fit is the one that benchmark's target uses.
+
+Checks. Each version's first call writes into outputs poisoned with NaN (o, lse) and -1 (the
+counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritten`` (poison left).
+
+Timing. ``--rounds`` rounds; each takes every row in turn, and each row's two versions one after
+the other, with ``time_samples`` (warm-up, ``--settle`` seconds at the row's own clock, then
+``--repeats`` timed calls), so that both versions see the same drift of clock and power. Which
+version goes first alternates from round to round. A time is the median of all its calls.
+Both versions run the same code for ``cosa dense`` unless the dense loop changed, so its ratio
+shows this A/B's noise; so does a run with the same file on both sides. Without a GPU it says
+so and exits 0. bench/NOTES.md logs what each kernel version measured this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import cosa
+from cosa.synthetic import structured_qkv
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import (B2, B2_BUDGET, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
+                             DTYPE, FORCED_ONLY_BUDGET, NUM_KV_HEADS, NUM_QO_HEADS, SKIP_ALL_DELTA, Paged, Row,
+                             cosa_name, skip_cost_ratio, time_samples)
+from sass_report import load_variant  # noqa: E402
+
+VERSIONS = ("base", "new")
+COSA_D0, COSA_D05 = cosa_name(B2_BUDGET, 0.0), cosa_name(B2_BUDGET, 0.05)
+
+
+def row_settings(b2_delta: float) -> dict[str, tuple[float, float]]:
+    """(budget, delta) of each row, by its name in bench_attention.py."""
+    return {COSA_DENSE: (1.0, 0.0), COSA_D0: (B2_BUDGET, 0.0), COSA_FORCED: (FORCED_ONLY_BUDGET, 0.0),
+            COSA_SKIP_ALL: (B2_BUDGET, SKIP_ALL_DELTA), COSA_B2: (B2_BUDGET, b2_delta),
+            COSA_D05: (B2_BUDGET, 0.05)}
+
+
+def compare(base: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> str:
+    """``unwritten`` if either version left poison (NaN in a floating tensor, -1 in a count),
+    else ``equal`` if every tensor matches bit for bit, else ``differs``."""
+    def poisoned(t: torch.Tensor) -> bool:
+        return bool(t.isnan().any()) if t.is_floating_point() else bool((t == -1).any())
+
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.view({2: torch.int16, 4: torch.int32}[t.element_size()]) if t.is_floating_point() else t
+
+    if any(poisoned(t) for t in base + new):
+        return "unwritten"
+    return "equal" if all(torch.equal(bits(a), bits(b)) for a, b in zip(base, new)) else "differs"
+
+
+@dataclass
+class Result:
+    seq: int
+    page: int
+    head_dim: int
+    name: str
+    computed: int
+    skipped: int
+    bitwise: str
+    ms: dict[str, float]  # by version
+
+    @property
+    def ratio(self) -> float:
+        return self.ms["new"] / self.ms["base"]
+
+
+def skip_costs(results: list[Result]) -> dict[str, float | None]:
+    """Each version's skipped / computed block cost, fitted as bench_attention.py's target does."""
+    by_name = {r.name: r for r in results}
+    if not all(name in by_name for name in (COSA_D0, COSA_FORCED, COSA_SKIP_ALL)):
+        return {version: None for version in VERSIONS}
+    return {version: skip_cost_ratio(*(Row(r.seq, r.page, r.name, r.ms[version], computed=r.computed,
+                                           skipped=r.skipped)
+                                       for r in (by_name[COSA_D0], by_name[COSA_FORCED], by_name[COSA_SKIP_ALL])))
+            for version in VERSIONS}
+
+
+def measure(kernels: dict, seq: int, page: int, head_dim: int, args) -> list[Result]:
+    """Both versions on every row of one (sequence length, page size), timed in rounds."""
+    generator = torch.Generator().manual_seed(args.seed + seq)
+    q, k, v = structured_qkv(seq, NUM_QO_HEADS, NUM_KV_HEADS, head_dim, generator=generator, dtype=DTYPE,
+                             device="cuda")
+    paged = Paged.build(k, v, page, generator)
+    b2_delta = cosa.calibrate_delta(paged.plan(B2_BUDGET, 0.0), q, paged.cache, B2)
+    calls, checked = {}, {}
+    for name, (budget, delta) in row_settings(b2_delta).items():
+        plan_ = paged.plan(budget, delta)
+        outputs = {}
+        for version, kernel in kernels.items():
+            versioned = dataclasses.replace(plan_, kernel=kernel)
+            out, lse = torch.full_like(q, math.nan), torch.full_like(plan_.lse, math.nan)
+            plan_.computed.fill_(-1)
+            plan_.skipped.fill_(-1)
+            calls[name, version] = lambda p=versioned, out=out, lse=lse: cosa.run(p, q, paged.cache, out=out, lse=lse)
+            calls[name, version]()
+            outputs[version] = (out, lse, plan_.computed.clone(), plan_.skipped.clone())
+        checked[name] = (int(outputs["new"][2].sum()), int(outputs["new"][3].sum()),
+                         compare(outputs["base"], outputs["new"]))
+    samples = {key: [] for key in calls}
+    for round_ in range(args.rounds):
+        # with both sides the same code, the version timed second read skip-all 2-3% faster
+        # (bench/NOTES.md, session 24), so the order of the two alternates from round to round
+        order = VERSIONS if round_ % 2 == 0 else VERSIONS[::-1]
+        for name in checked:
+            for version in order:
+                samples[name, version] += time_samples(calls[name, version], args.warmup, args.repeats,
+                                                       args.settle)
+    return [Result(seq, page, head_dim, name, *checked[name],
+                   {version: statistics.median(samples[name, version]) for version in VERSIONS})
+            for name in checked]
+
+
+def format_results(results: list[Result]) -> str:
+    first = results[0]
+    lines = [f"{first.seq} tokens, page {first.page}, head_dim {first.head_dim}",
+             f"  {'row':<23} {'computed':>9} {'skipped':>9} {'bitwise':>9} {'base ms':>9} {'new ms':>9} {'new/base':>8}"]
+    lines += [f"  {r.name:<23} {r.computed:>9} {r.skipped:>9} {r.bitwise:>9} {r.ms['base']:9.3f} "
+              f"{r.ms['new']:9.3f} {r.ratio:8.3f}" for r in results]
+    costs = skip_costs(results)
+    lines.append("  skipped / computed: " + ", ".join(
+        f"{version} {'-' if cost is None else format(cost, '.3f')}" for version, cost in costs.items()))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("base", help="a version of cute_kernels/osk.py")
+    parser.add_argument("--new", help="another version (default: the installed kernel)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    parser.add_argument("--rounds", type=int, default=6, help="an even number: each version goes first as often")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--settle", type=float, default=0.4, help="seconds each row runs before it is timed")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    unit = max([128] + args.page_sizes)
+    if any(n <= 0 or n % unit for n in args.seq_lens):
+        parser.error(f"sequence lengths must be positive multiples of {unit}")
+    if args.rounds < 1 or args.warmup < 0 or args.repeats < 1 or not args.settle >= 0:
+        parser.error("need --rounds >= 1, --warmup >= 0, --repeats >= 1 and --settle >= 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_osk_ab: no CUDA GPU is available; this benchmark needs one (nothing was measured).")
+        return 0
+    from cosa.cute_kernels import osk
+
+    modules = {"base": load_variant(args.base, "osk_base"),
+               "new": load_variant(args.new, "osk_new") if args.new else osk}
+    kernels = {version: module.osk_forward for version, module in modules.items()}
+    print(f"base {args.base}, new {args.new or 'installed'}; {args.rounds} rounds, medians of all calls")
+    results = []
+    with torch.no_grad():
+        for seq in args.seq_lens:
+            for page in args.page_sizes:
+                group = measure(kernels, seq, page, args.head_dim, args)
+                print(format_results(group), flush=True)
+                results += group
+                torch.cuda.empty_cache()
+    if args.json:
+        config = dict(vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__)
+        Path(args.json).write_text(json.dumps(
+            {"config": config, "results": [dict(dataclasses.asdict(r), ratio=r.ratio) for r in results]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

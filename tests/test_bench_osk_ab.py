@@ -1,0 +1,86 @@
+"""bench/bench_osk_ab.py on the CPU: its bitwise comparison, its skip-cost fit per version, its
+arguments, and the message without a GPU."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import bench_osk_ab  # noqa: E402
+from bench_osk_ab import COSA_D0, COSA_FORCED, COSA_SKIP_ALL, Result, compare, skip_costs  # noqa: E402
+
+
+def outputs(rows: int) -> tuple[torch.Tensor, ...]:
+    """o, lse and the two counts as a version writes them."""
+    return (torch.randn(rows, 4, 8).to(torch.bfloat16), torch.randn(rows, 4),
+            torch.randint(0, 9, (rows // 2 + 1, 4), dtype=torch.int32),
+            torch.randint(0, 9, (rows // 2 + 1, 4), dtype=torch.int32))
+
+
+def test_equal_outputs_compare_equal_and_one_flipped_bit_differs():
+    base = outputs(random.randrange(2, 40))
+    assert compare(base, tuple(t.clone() for t in base)) == "equal"
+    which = random.randrange(len(base))
+    changed = [t.clone() for t in base]
+    flat = changed[which].view(-1)
+    i = random.randrange(flat.numel())
+    if changed[which].is_floating_point():
+        view = flat.view({2: torch.int16, 4: torch.int32}[flat.element_size()])
+        view[i] ^= 1 << random.randrange(8)
+    else:
+        flat[i] += 1
+    assert compare(base, tuple(changed)) == "differs"
+
+
+def test_signed_zeros_are_told_apart():
+    base = outputs(4)
+    zeros = [t.clone() for t in base]
+    zeros[1][0, 0], base[1][0, 0] = 0.0, -0.0
+    assert compare(base, tuple(zeros)) == "differs"
+
+
+@pytest.mark.parametrize("which", range(4))
+def test_poison_left_in_either_version_reads_unwritten(which):
+    base = outputs(random.randrange(2, 40))
+    new = [t.clone() for t in base]
+    flat = new[which].view(-1)
+    flat[random.randrange(flat.numel())] = float("nan") if new[which].is_floating_point() else -1
+    victim = random.choice(["base", "new"])
+    pair = (tuple(new), base) if victim == "base" else (base, tuple(new))
+    assert compare(*pair) == "unwritten"
+
+
+def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
+    """Times made from t = o + c * computed + s * skipped give back s / c for each version."""
+    rng = random.Random()
+    counts = {COSA_D0: (50_000 + rng.randrange(1000), 0), COSA_FORCED: (4000 + rng.randrange(100), 0),
+              COSA_SKIP_ALL: (1000 + rng.randrange(50), 49_000 + rng.randrange(1000))}
+    model = {version: (rng.uniform(0.1, 2.0), rng.uniform(1e-5, 1e-4), rng.uniform(0.2, 0.9))
+             for version in bench_osk_ab.VERSIONS}   # o, c, s / c
+    results = [Result(32768, 128, 128, name, computed, skipped, "equal",
+                      {version: o + c * computed + ratio * c * skipped for version, (o, c, ratio) in model.items()})
+               for name, (computed, skipped) in counts.items()]
+    costs = skip_costs(results)
+    for version, (_, _, ratio) in model.items():
+        assert costs[version] == pytest.approx(ratio, rel=1e-9)
+    assert skip_costs(results[:2]) == {version: None for version in bench_osk_ab.VERSIONS}
+
+
+@pytest.mark.parametrize("argv", [["v.py", "--seq-lens", "1000"], ["v.py", "--seq-lens", "0"],
+                                  ["v.py", "--page-sizes", "256", "--seq-lens", "384"], ["v.py", "--rounds", "0"],
+                                  ["v.py", "--repeats", "0"], ["v.py", "--settle", "nan"], ["v.py", "--head-dim", "96"],
+                                  []])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        bench_osk_ab.parse_args(argv)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
+def test_without_a_gpu_it_says_so_and_exits_0(capsys):
+    assert bench_osk_ab.main(["base.py"]) == 0
+    assert "needs one" in capsys.readouterr().out
