@@ -633,9 +633,9 @@ class OSKForward:
         """mloc = this thread's maxima of its rows of masked S; returns its best gain over the
         running max.  The warp's vote on it equals the vote on the rows' maxima (the row max is
         one of its four threads' maxima, and x * sm_scale - m is monotone in x).  ``by_bits``:
-        the same maxima from S's bit patterns (``_row_max_bits``, half the instructions), for
-        the stage-2 loop, whose skipped blocks pay for every instruction beside the QKs
-        (bench/NOTES.md, session 22); in the ping-pong loop it measured no gain."""
+        the same maxima from S's bit patterns (``_row_max_bits``, half the instructions), in
+        the stage-2 loop only, where skipped blocks run them beside the QKs (bench/NOTES.md,
+        session 22; session 24's order-balanced A/B puts the gain within 1%)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         if const_expr(by_bits):
             acc_bits_mn = cute.make_tensor(cute.recast_tensor(acc_S, Int32).iterator, acc_S_mn.layout)
