@@ -56,6 +56,17 @@ def cosa_name(budget: float, delta: float) -> str:
     return f"cosa b={budget} d={delta:g}"
 
 
+def cosa_rows(b2_delta: float | None) -> dict[str, tuple[float, float | None]]:
+    """(budget, delta) of every CoSA row, by name, in table order; the b2 row's delta is the
+    calibrated one (None: calibration failed)."""
+    rows = {COSA_DENSE: (1.0, 0.0)}
+    rows |= {cosa_name(budget, delta): (budget, delta) for budget in BUDGETS for delta in DELTAS}
+    rows[COSA_B2] = (B2_BUDGET, b2_delta)
+    rows[COSA_SKIP_ALL] = (B2_BUDGET, SKIP_ALL_DELTA)
+    rows[COSA_FORCED] = (FORCED_ONLY_BUDGET, 0.0)
+    return rows
+
+
 @dataclass
 class Row:
     seq: int
@@ -559,30 +570,26 @@ class Runner:
 
     def prepare_cosa(self, group, seq, paged: Paged, q, fa4_dense_out, fa4_sparse_out) -> None:
         page = paged.page_size
-        names = ([COSA_DENSE] + [cosa_name(b, d) for b in BUDGETS for d in DELTAS]
-                 + [COSA_B2, COSA_SKIP_ALL, COSA_FORCED])
         if not self.uses_kernel and seq > REFERENCE_MAX_SEQ:
-            group += [Row(seq, page, name, None, note="skipped: cosa.run runs the torch reference") for name in names]
+            group += [Row(seq, page, name, None, note="skipped: cosa.run runs the torch reference")
+                      for name in cosa_rows(None)]
             return
         if seq not in self.calibration:
             self.calibrate([seq], paged, q, "this input")
-
-        def prepare(name, budget, delta, check=None, note=""):
-            self.prepare(group, seq, page, name, lambda: self.cosa_run(seq, name, paged, q, budget, delta, check, note))
-
-        prepare(COSA_DENSE, 1.0, 0.0, (FA4_DENSE, fa4_dense_out))
-        for budget in BUDGETS:
-            for delta in DELTAS:
-                check = (fa4_block_sparse_name(budget), fa4_sparse_out.get(budget)) if delta == 0 else None
-                prepare(cosa_name(budget, delta), budget, delta, check)
         calibration = self.calibration[seq]
+        # peers computing the same blocks, for the error note
+        checks = {COSA_DENSE: (FA4_DENSE, fa4_dense_out)}
+        checks |= {cosa_name(budget, 0.0): (fa4_block_sparse_name(budget), fa4_sparse_out.get(budget))
+                   for budget in BUDGETS}
+        notes = {COSA_SKIP_ALL: f"delta {SKIP_ALL_DELTA:g}", COSA_FORCED: f"budget {FORCED_ONLY_BUDGET:g}"}
         if "delta" in calibration:
-            prepare(COSA_B2, B2_BUDGET, calibration["delta"],
-                    note=f"delta {calibration['delta']:.2e} (calibrated on {calibration['calibrated_on']})")
-        else:
-            group.append(Row(seq, page, COSA_B2, None, note=f"no delta: {calibration['error']}"))
-        prepare(COSA_SKIP_ALL, B2_BUDGET, SKIP_ALL_DELTA, note=f"delta {SKIP_ALL_DELTA:g}")
-        prepare(COSA_FORCED, FORCED_ONLY_BUDGET, 0.0, note=f"budget {FORCED_ONLY_BUDGET:g}")
+            notes[COSA_B2] = f"delta {calibration['delta']:.2e} (calibrated on {calibration['calibrated_on']})"
+        for name, (budget, delta) in cosa_rows(calibration.get("delta")).items():
+            if delta is None:
+                group.append(Row(seq, page, name, None, note=f"no delta: {calibration['error']}"))
+                continue
+            self.prepare(group, seq, page, name, lambda name=name, budget=budget, delta=delta: self.cosa_run(
+                seq, name, paged, q, budget, delta, checks.get(name), notes.get(name, "")))
 
 
 # ----------------------------------------------------------------------------- driver

@@ -43,19 +43,13 @@ from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (B2, B2_BUDGET, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
-                             DTYPE, FORCED_ONLY_BUDGET, NUM_KV_HEADS, NUM_QO_HEADS, SKIP_ALL_DELTA, Paged, Row,
-                             cosa_name, skip_cost_ratio, time_samples)
+                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, skip_cost_ratio,
+                             time_samples)
 from sass_report import load_variant  # noqa: E402
 
 VERSIONS = ("base", "new")
 COSA_D0, COSA_D05 = cosa_name(B2_BUDGET, 0.0), cosa_name(B2_BUDGET, 0.05)
-
-
-def row_settings(b2_delta: float) -> dict[str, tuple[float, float]]:
-    """(budget, delta) of each row, by its name in bench_attention.py."""
-    return {COSA_DENSE: (1.0, 0.0), COSA_D0: (B2_BUDGET, 0.0), COSA_FORCED: (FORCED_ONLY_BUDGET, 0.0),
-            COSA_SKIP_ALL: (B2_BUDGET, SKIP_ALL_DELTA), COSA_B2: (B2_BUDGET, b2_delta),
-            COSA_D05: (B2_BUDGET, 0.05)}
+ROWS = (COSA_DENSE, COSA_D0, COSA_FORCED, COSA_SKIP_ALL, COSA_B2, COSA_D05)  # of bench_attention.py's
 
 
 def compare(base: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> str:
@@ -107,8 +101,9 @@ def measure(kernels: dict, seq: int, page: int, head_dim: int, args) -> list[Res
     paged = Paged.build(k, v, page, generator)
     b2_delta = cosa.calibrate_delta(paged.plan(B2_BUDGET, 0.0), q, paged.cache, B2)
     calls, checked = {}, {}
-    for name, (budget, delta) in row_settings(b2_delta).items():
-        plan_ = paged.plan(budget, delta)
+    settings = cosa_rows(b2_delta)
+    for name in ROWS:
+        plan_ = paged.plan(*settings[name])
         outputs = {}
         for version, kernel in kernels.items():
             versioned = dataclasses.replace(plan_, kernel=kernel)

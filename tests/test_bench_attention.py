@@ -113,3 +113,17 @@ def test_parse_args_rejects_too_little_warm_up_or_timing(option, capsys):
     with pytest.raises(SystemExit):
         bench_attention.parse_args(option)
     assert "need --warmup >= 3, --repeats >= 5, --rounds >= 1 and --settle >= 0" in capsys.readouterr().err
+
+
+def test_cosa_rows_give_every_row_its_budget_and_delta_once():
+    b2_delta = random.uniform(1e-3, 1e3)
+    rows = bench_attention.cosa_rows(b2_delta)
+    grid = [(budget, delta) for budget in bench_attention.BUDGETS for delta in bench_attention.DELTAS]
+    assert list(rows) == ([bench_attention.COSA_DENSE] + [bench_attention.cosa_name(*bd) for bd in grid]
+                          + [bench_attention.COSA_B2, bench_attention.COSA_SKIP_ALL, bench_attention.COSA_FORCED])
+    assert rows[bench_attention.COSA_DENSE] == (1.0, 0.0)
+    assert all(rows[bench_attention.cosa_name(*bd)] == bd for bd in grid)
+    assert rows[bench_attention.COSA_B2] == (bench_attention.B2_BUDGET, b2_delta)
+    assert rows[bench_attention.COSA_SKIP_ALL] == (bench_attention.B2_BUDGET, bench_attention.SKIP_ALL_DELTA)
+    assert rows[bench_attention.COSA_FORCED] == (bench_attention.FORCED_ONLY_BUDGET, 0.0)
+    assert bench_attention.cosa_rows(None)[bench_attention.COSA_B2] == (bench_attention.B2_BUDGET, None)

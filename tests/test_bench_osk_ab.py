@@ -84,3 +84,9 @@ def test_bad_arguments_are_refused(argv):
 def test_without_a_gpu_it_says_so_and_exits_0(capsys):
     assert bench_osk_ab.main(["base.py"]) == 0
     assert "needs one" in capsys.readouterr().out
+
+
+def test_its_rows_are_bench_attentions_with_their_settings():
+    settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))
+    assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
+    assert {COSA_D0, COSA_FORCED, COSA_SKIP_ALL} <= set(bench_osk_ab.ROWS)   # the skip-cost fit's three
