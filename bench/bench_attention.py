@@ -233,9 +233,9 @@ def settle_calls(elapsed_s: float, calls: int, settle_s: float) -> int:
 def time_samples(fn, warmup: int, repeats: int, settle_s: float = 0.0) -> list[float]:
     """CUDA-event times in ms of ``repeats`` back-to-back calls of ``fn``, after ``warmup`` calls
     and then as many more as fill ``settle_s`` seconds: under load the H200's clock follows the
-    power the work draws within about 0.1-0.2 s, so a short row timed straight after another
-    would run at the clock that row left (bench/NOTES.md, session 18).  L2 is not flushed
-    between calls."""
+    power the work draws, mostly within 0.1-0.2 s but not wholly, so a row timed soon after
+    another carries some of the clock that row left (bench/NOTES.md, sessions 18 and 24).  L2
+    is not flushed between calls."""
     start = time.perf_counter()
     for _ in range(warmup):
         fn()
@@ -601,7 +601,7 @@ def parse_args(argv=None):
     parser.add_argument("--json", default="bench_attention.json", help="where to write the results")
     parser.add_argument("--quick", action="store_true", help="8K and 32K only")
     parser.add_argument("--warmup", type=int, default=3, help="calls before each row's timed calls, every round")
-    parser.add_argument("--settle", type=float, default=0.3,
+    parser.add_argument("--settle", type=float, default=1.0,
                         help="seconds of a row's own calls before its timed calls, every round (its clock settles)")
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per row and round")
     parser.add_argument("--rounds", type=int, default=3,
