@@ -251,7 +251,7 @@ class TileWalk:
     acc_O_mn: cute.Tensor  # acc_O's row/column view
     tOrVt: cute.Tensor
     corr: cute.Tensor     # per-row rescale of O, written by the softmax that raises the reference
-    mOrder: cute.Tensor
+    plan: PlanTables
     qt: Int32
     head: Int32
     num_sel: Int32
@@ -779,8 +779,8 @@ class OSKForward:
             self._sched_arrive(walk.wg)
         warpgroup.wait_group(0)
         walk.pipe_k.consumer_release(kst)
-        jstart = walk.mOrder[walk.qt, walk.head, 0] * TILE_N
-        j_next = self._listed_block(walk.mOrder, walk.qt, walk.head, Int32(1), walk.num_sel)
+        jstart = walk.plan.mOrder[walk.qt, walk.head, 0] * TILE_N
+        j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, Int32(1), walk.num_sel)
         self._mask(t, acc_S, jstart)
         self._block_max(t, acc_S)
         if const_expr(pingpong):
@@ -795,7 +795,7 @@ class OSKForward:
         """Block ``it`` of the delta = 0 loop: QK(it) with PV(it-1) from tOrP_prev in one turn,
         then P(it) into the other buffer, rP_new.  Returns the block listed after the next."""
         jstart = j_next * TILE_N
-        j_next = self._listed_block(walk.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
+        j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
         v_prev = self._v_state(it - 1)
         kst = self._k_state(it)
         walk.pipe_k.consumer_wait(kst)
@@ -1010,7 +1010,7 @@ class OSKForward:
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
             walk = TileWalk(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
-                          tOrVt, corr, plan.mOrder, qt, head, num_sel, tiled_copy_o, sV, ctid)
+                          tOrVt, corr, plan, qt, head, num_sel, tiled_copy_o, sV, ctid)
             if thr == -Float32.inf and num_sel > 0:
                 # delta = 0: no block is skipped and no vote couples the groups, so (as in
                 # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
