@@ -1,7 +1,8 @@
 """Static SASS of one compiled OSK configuration, no GPU needed: ptxas's register, spill and
 wgmma-serialisation (C75xx) report, and for every loop around wgmmas (a backward branch whose
-body holds HGMMA) its instruction count, its HGMMAs, its R2URs (values moved into the uniform
-datapath inside the loop) and its local-memory traffic (spills).  The instruction counts in
+body holds HGMMA) its instruction count, its HGMMAs, its wgmma waits (WARPGROUP.DEPBAR: as many
+as HGMMAs when ptxas has serialised them, whatever the warning lines above said), its R2URs
+(values moved into the uniform datapath inside the loop) and its local-memory traffic (spills).  The instruction counts in
 NOTES.md come from here; a kernel variant is judged here before it costs device time.
 
     python bench/sass_report.py [--dtype bfloat16] [--head-dim 128] [--kernel FILE.py]
@@ -41,6 +42,7 @@ class Loop:
     end: int            # address of the backward branch
     instructions: int
     hgmma: int
+    waits: int          # WARPGROUP.DEPBAR
     r2ur: int
     local: int          # LDL/STL: spill traffic
 
@@ -90,7 +92,8 @@ def wgmma_loops(instructions: list[tuple[int, str]]) -> list[Loop]:
         ops = [opcode(t) for _, t in instructions[position[target]:i + 1]]
         hgmma = sum(op.startswith("HGMMA") for op in ops)
         if hgmma and "EXIT" not in ops:
-            loops.append(Loop(target, address, len(ops), hgmma, *_r2ur_and_local(ops)))
+            waits = ops.count("WARPGROUP.DEPBAR.LE")
+            loops.append(Loop(target, address, len(ops), hgmma, waits, *_r2ur_and_local(ops)))
     return sorted(loops, key=lambda loop: (loop.instructions, loop.start))
 
 
@@ -167,9 +170,9 @@ def main(argv=None) -> int:
     instructions = parse_sass(listing)
     r2ur, local = _r2ur_and_local([opcode(t) for _, t in instructions])
     print(f"  {len(instructions)} instructions, {r2ur} R2UR, {local} LDL/STL")
-    print(f"  {'loop':>17} {'instructions':>12} {'HGMMA':>6} {'R2UR':>5} {'LDL/STL':>7}")
+    print(f"  {'loop':>17} {'instructions':>12} {'HGMMA':>6} {'waits':>5} {'R2UR':>5} {'LDL/STL':>7}")
     for loop in wgmma_loops(instructions):
-        print(f"  {loop.start:#07x}-{loop.end:#07x} {loop.instructions:12d} {loop.hgmma:6d} "
+        print(f"  {loop.start:#07x}-{loop.end:#07x} {loop.instructions:12d} {loop.hgmma:6d} {loop.waits:5d} "
               f"{loop.r2ur:5d} {loop.local:7d}")
     if args.same_as:
         difference = first_difference(instructions, other)

@@ -45,13 +45,16 @@ def test_loops_around_wgmmas_are_found_and_counted():
     # the wgmma loop
     start = listing.add("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R13+UR7+0x10], R16")
     listing.add("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT")
-    hgmma, r2ur, local = 1, 0, 0
+    hgmma, waits, r2ur, local = 1, 0, 0, 0
     body = rng.randrange(20, 200)
     for _ in range(body):
         kind = rng.random()
         if kind < 0.1:
             listing.add("HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], R24")
             hgmma += 1
+        elif kind < 0.15:
+            listing.add("WARPGROUP.DEPBAR.LE gsb0, 0x0")
+            waits += 1
         elif kind < 0.2:
             listing.add("R2UR UR18, R196")
             r2ur += 1
@@ -71,7 +74,7 @@ def test_loops_around_wgmmas_are_found_and_counted():
 
     instructions = parse_sass("\n".join(listing.lines))
     assert len(instructions) == len(listing.lines) - 1
-    assert wgmma_loops(instructions) == [Loop(start, end, body + 4, hgmma, r2ur, local)]
+    assert wgmma_loops(instructions) == [Loop(start, end, body + 4, hgmma, waits, r2ur, local)]
 
 
 def test_parse_sass_reads_addresses_and_strips_encodings():
