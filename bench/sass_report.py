@@ -1,8 +1,8 @@
 """Static SASS of one compiled OSK configuration, no GPU needed: ptxas's register, spill and
 wgmma-serialisation (C75xx) report, and for every loop around wgmmas (a backward branch whose
-body holds HGMMA) its instruction count, its HGMMAs, its wgmma waits (WARPGROUP.DEPBAR: as many
-as HGMMAs when ptxas has serialised them, whatever the warning lines above said), its R2URs
-(values moved into the uniform datapath inside the loop) and its local-memory traffic (spills).  The instruction counts in
+body holds HGMMA) its instruction count, its HGMMAs, its wgmma waits (WARPGROUP.DEPBAR: as
+many as HGMMAs when ptxas has serialised them), its R2URs (values moved into the uniform
+datapath inside the loop) and its local-memory traffic (spills).  The instruction counts in
 NOTES.md come from here; a kernel variant is judged here before it costs device time.
 
     python bench/sass_report.py [--dtype bfloat16] [--head-dim 128] [--kernel FILE.py]
