@@ -629,22 +629,15 @@ class OSKForward:
         self._quad_max(t)
 
     @cute.jit
-    def _thread_max(self, t: TileRows, acc_S, by_bits: cutlass.Constexpr = False):
-        """mloc = this thread's maxima of its rows of masked S; returns its best gain over the
-        running max.  The warp's vote on it equals the vote on the rows' maxima (the row max is
-        one of its four threads' maxima, and x * sm_scale - m is monotone in x).  ``by_bits``:
-        the same maxima from S's bit patterns (``_row_max_bits``, half the instructions), in
-        the stage-2 loop only, where skipped blocks run them beside the QKs (bench/NOTES.md,
-        session 22; session 24's order-balanced A/B puts the gain within 1%)."""
-        acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
-        if const_expr(by_bits):
-            acc_bits_mn = cute.make_tensor(cute.recast_tensor(acc_S, Int32).iterator, acc_S_mn.layout)
+    def _thread_max(self, t: TileRows, acc_S):
+        """mloc = this thread's maxima of its rows of masked S (``_row_max_bits``); returns its
+        best gain over the running max.  The warp's vote on it equals the vote on the rows'
+        maxima (the row max is one of its four threads' maxima, and x * sm_scale - m is
+        monotone in x)."""
+        acc_bits_mn = cute.make_tensor(cute.recast_tensor(acc_S, Int32).iterator, _mn_layout(acc_S.layout))
         want = -Float32.inf
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
-            if const_expr(by_bits):
-                mx = self._row_max_bits(acc_bits_mn, r)
-            else:
-                mx = acc_S_mn[r, None].load().reduce(cute.ReductionOp.MAX, -Float32.inf, 0)
+            mx = self._row_max_bits(acc_bits_mn, r)
             t.mloc[r] = mx
             d = -Float32.inf
             if mx != -Float32.inf:
@@ -657,7 +650,7 @@ class OSKForward:
     def _row_max_bits(self, acc_bits_mn, r: cutlass.Constexpr):
         """The largest float32 of row r of this thread's S, found among their bit patterns read
         as int32, which ptxas reduces three at a time (VIMNMX3: half the instructions of the
-        float maximum, bit-exact).  While one value is >= +0 the largest pattern is the largest
+        float maximum, bit-exact; bench/NOTES.md, session 22).  While one value is >= +0 the largest pattern is the largest
         float.  Negative floats order inversely to their patterns, so where all are negative
         (a fully masked row's -inf included) the smallest pattern is the largest float."""
         row = [acc_bits_mn[r, c] for c in range(cute.size(acc_bits_mn, mode=[1]))]
@@ -1073,7 +1066,7 @@ class OSKForward:
                     warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
                     pipe_k.consumer_release(kst)
                     self._mask(tile_rows, acc_S, jstart)
-                    want = self._thread_max(tile_rows, acc_S, by_bits=True)
+                    want = self._thread_max(tile_rows, acc_S)
                     # the next block's low half runs under the vote (issued on every path, past the
                     # last block on a stale stage whose result is never read)
                     knext = self._k_state(it + 1)
