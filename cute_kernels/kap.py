@@ -73,7 +73,8 @@ import torch
 from .. import _C
 from ..proxy.order import BLOCK_BITS
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _row_offset, _to_cute
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _paged_operands,
+                  _row_offset, _to_cute)
 from .osk import supported as _osk_supported
 
 import cutlass  # noqa: E402
@@ -438,16 +439,7 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
     if not supported(D, q.dtype, rank_base.shape[1]):
         raise ValueError(f"kap_order: no kernel for head_dim={D}, dtype={q.dtype}, "
                          f"{rank_base.shape[1]} key blocks (at most {MAX_KEY_BLOCKS})")
-    k = k_cache.permute(0, 2, 1, 3) if kv_layout == "HND" else k_cache
-    for name, t in (("q", q), ("k_cache", k)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"kap_order: {name} must have dtype {q.dtype}, got {t.dtype}")
-        if t.stride(-1) != 1 or any(s % VEC for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"kap_order: {name} needs a contiguous, 16-byte aligned last dim")
-    page_size = k.shape[1]
-    if page_size & (page_size - 1):
-        raise ValueError(f"kap_order: page_size must be a power of two, got {page_size}")
-    page_shift = page_size.bit_length() - 1
+    (k,), page_shift = _paged_operands("kap_order", q, {"k_cache": k_cache}, kv_layout, {})
     pool, rank = compile_config(_dtype_name(q.dtype), D)
     pool_args = (k, block_pages, kv_block_indptr, kv_lens, kbar)
     rank_args = (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
@@ -456,5 +448,5 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
         rank(*rank_args)
     else:
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        pool(*(_to_cute(t, t.dim() - 1) for t in pool_args), page_shift, stream)
-        rank(*(_to_cute(t, t.dim() - 1) for t in rank_args), stream)
+        pool(*(_to_cute(t) for t in pool_args), page_shift, stream)
+        rank(*(_to_cute(t) for t in rank_args), stream)

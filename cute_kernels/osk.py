@@ -1230,11 +1230,34 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
     return fn
 
 
-def _to_cute(t, leading_dim):
+def _to_cute(t):
+    """A torch tensor as the plain C ABI passes it: every extent dynamic, and every stride but
+    the contiguous last dim's, as ``_fake_tensor`` compiled them."""
     from cutlass.cute.runtime import from_dlpack
 
     align = 16 if t.dtype.itemsize == 2 else 4
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=leading_dim)
+    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+
+
+def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):
+    """The checks both launchers (``osk_forward``, ``kap.kap_order``) make before a launch, and
+    what they launch with: the ``caches`` ({name: tensor}) as [num_pages, page_size, Hkv, D]
+    views (HND permuted) and log2 of the page size.  q's dtype for every tensor; a contiguous
+    last dim, 16-byte aligned, and other strides in 16-byte steps (TMA boxes, 128-bit loads
+    and stores); a page size the plan accepts."""
+    if kv_layout not in ("NHD", "HND"):
+        raise ValueError(f"{who}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
+    views = {name: c.permute(0, 2, 1, 3) if kv_layout == "HND" else c for name, c in caches.items()}
+    page_size = next(iter(views.values())).shape[1]
+    if not 16 <= page_size <= 256 or page_size & (page_size - 1):
+        raise ValueError(f"{who}: page_size must be a power of two in 16..256, got {page_size}")
+    for name, t in {"q": q, **views, **outputs}.items():
+        if t.dtype != q.dtype:
+            raise TypeError(f"{who}: {name} must have dtype {q.dtype}, got {t.dtype}")
+        step = 16 // t.element_size()
+        if t.stride(-1) != 1 or any(s % step for s in t.stride()[:-1]) or t.data_ptr() % 16:
+            raise ValueError(f"{who}: {name} needs a contiguous, 16-byte aligned last dim")
+    return tuple(views.values()), page_size.bit_length() - 1
 
 
 def osk_forward(
@@ -1249,20 +1272,8 @@ def osk_forward(
     D = q.shape[-1]
     if not supported(D, q.dtype):
         raise ValueError(f"osk_forward: no kernel for head_dim={D}, dtype={q.dtype}")
-    if kv_layout == "NHD":
-        kv_k, kv_v = k_cache, v_cache
-    elif kv_layout == "HND":
-        kv_k, kv_v = k_cache.permute(0, 2, 1, 3), v_cache.permute(0, 2, 1, 3)
-    else:
-        raise ValueError(f"osk_forward: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    page_size = kv_k.shape[1]
-    if not 16 <= page_size <= 256 or page_size & (page_size - 1):
-        raise ValueError(f"osk_forward: page_size must be a power of two in 16..256, got {page_size}")
-    for name_, t in (("q", q), ("k_cache", kv_k), ("v_cache", kv_v), ("o", o)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"osk_forward: {name_} must have dtype {q.dtype}, got {t.dtype}")
-        if t.stride(-1) != 1 or any(s % 8 for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"osk_forward: {name_} needs a contiguous, 16-byte aligned last dim")
+    (kv_k, kv_v), page_shift = _paged_operands("osk_forward", q, {"k_cache": k_cache, "v_cache": v_cache},
+                                               kv_layout, {"o": o})
     num_tiles = tile_order.shape[0]
     Hq, Hkv = q.shape[1], kv_k.shape[2]
     group = Hq // Hkv
@@ -1274,14 +1285,12 @@ def osk_forward(
     fn, source = load_kernel(name, D)  # exported ahead of time into libcosa, if it carries them
     if fn is None:
         fn = compile_config(name, D)
-    scalars = (float(sm_scale), float(log_delta), int(page_size).bit_length() - 1, int(group),
-               1 if causal else 0, int(num_tiles))
+    scalars = (float(sm_scale), float(log_delta), page_shift, int(group), 1 if causal else 0, int(num_tiles))
     if _HAVE_TVM_FFI and source.kind == "jit":  # the exported kernels take the plain C ABI
         fn(q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
            tile_order, order, computed, skipped, *scalars)
     else:
-        ts = [_to_cute(t, t.dim() - 1) for t in (q, kv_k, kv_v, o, lse, block_pages,
-                                                 kv_block_indptr, qo_lens, kv_lens, qtiles,
-                                                 tile_order, order, computed, skipped)]
+        ts = [_to_cute(t) for t in (q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens,
+                                    kv_lens, qtiles, tile_order, order, computed, skipped)]
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         fn(*ts, *scalars, stream)

@@ -88,7 +88,7 @@ def test_plain_abi_arguments_match_the_compiled_spec(kernel):
     fakes, tensors = _runtime_args()[kernel]
     assert len(fakes) == len(tensors)
     for position, (fake, tensor) in enumerate(zip(fakes, tensors)):
-        passed = osk._to_cute(tensor, tensor.dim() - 1)
+        passed = osk._to_cute(tensor)
         assert (passed.dynamic_shapes_mask, passed.dynamic_strides_mask) == \
             (fake.dynamic_shapes_mask, fake.dynamic_strides_mask), f"argument {position}"
 
@@ -126,3 +126,36 @@ def test_osk_forward_rejects(change, error, match):
 def test_osk_forward_rejects_an_unknown_kv_layout():
     with pytest.raises(ValueError, match=r"kv_layout must be 'NHD' or 'HND', got 'NDH'"):
         osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf, kv_layout="NDH")
+
+
+def _kap_args(**change):
+    """``kap.kap_order``'s arguments for one 128-row tile of 4 heads over one key block (CPU
+    tensors: every case below is rejected before a kernel is compiled or launched)."""
+    bf16, i32, f32 = torch.bfloat16, torch.int32, torch.float32
+    args = {"q": torch.zeros(128, 4, 128, dtype=bf16), "k_cache": torch.zeros(8, 16, 2, 128, dtype=bf16),
+            "block_pages": torch.zeros(1, 8, dtype=i32), "kv_block_indptr": torch.tensor([0, 1], dtype=i32),
+            "kv_lens": torch.tensor([128], dtype=i32), "qtiles": torch.zeros(1, 8, dtype=i32),
+            "rank_base": torch.zeros(1, 1, dtype=torch.int64), "qbar": torch.zeros(1, 4, 128, dtype=f32),
+            "kbar": torch.zeros(1, 2, 128, dtype=f32), "order": torch.zeros(1, 4, 1, dtype=i32)}
+    args.update(change)
+    return args
+
+
+@pytest.mark.parametrize("change,error,match", [
+    ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
+    ({"rank_base": torch.zeros(1, kap.MAX_KEY_BLOCKS + 1, dtype=torch.int64)}, ValueError,
+     rf"{kap.MAX_KEY_BLOCKS + 1} key blocks \(at most {kap.MAX_KEY_BLOCKS}\)"),
+    ({"k_cache": torch.zeros(8, 8, 2, 128, dtype=torch.bfloat16)}, ValueError, r"page_size must be .* got 8"),
+    ({"k_cache": torch.zeros(8, 16, 2, 128, dtype=torch.float16)}, TypeError,
+     r"k_cache must have dtype torch.bfloat16"),
+    ({"k_cache": torch.zeros(8 * 16 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 2, 128)}, ValueError,
+     r"k_cache needs a contiguous, 16-byte aligned"),
+])
+def test_kap_order_rejects(change, error, match):
+    with pytest.raises(error, match=match):
+        kap.kap_order(**_kap_args(**change))
+
+
+def test_kap_order_rejects_an_unknown_kv_layout():
+    with pytest.raises(ValueError, match=r"kap_order: kv_layout must be 'NHD' or 'HND', got 'NDH'"):
+        kap.kap_order(**_kap_args(), kv_layout="NDH")
