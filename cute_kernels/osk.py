@@ -146,6 +146,8 @@ LOG2_E = 1.4426950408889634
 # takes no block max, keeps a block while each thread's row sum over it stays at most this, and
 # otherwise redoes its softmax exactly; the stage-2 loop knows the block max and tests it.
 STALE_SUM_MAX = 256.0
+# The plan's qtile columns (cosa.h's COSA_QT_*), spelled out here because the ahead-of-time export
+# imports this module before cosa._C is built; tests/test_kernel_compile.py compares them
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
 QT_NUM_SELECTED = 7
 BAR_EPILOGUE = 2

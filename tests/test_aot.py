@@ -20,10 +20,10 @@ import cosa
 from cosa import _C
 from cosa.cute_kernels import aot
 from cosa.cute_kernels.aot import KernelSource
+from cosa.cute_kernels.osk import CONFIGS
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "cpp"
-CONFIGS = [("bfloat16", 64), ("bfloat16", 128), ("float16", 64), ("float16", 128)]
 
 sys.path.insert(0, str(ROOT / "bench"))
 import bench_first_call  # noqa: E402

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
-from cosa.cute_kernels import kap, osk  # noqa: E402
+from cosa import _C, api  # noqa: E402
+from cosa.cute_kernels import aot, kap, osk  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
 
 
 def test_configs_are_the_supported_set():
@@ -28,6 +33,23 @@ def test_configs_are_the_supported_set():
               if osk.supported(d, getattr(torch, dt))}
     assert chosen == set(osk.CONFIGS) and len(chosen) == 4
     assert not osk.supported(128, torch.float32)
+    assert {d for _, d in chosen} == set(api.SUPPORTED_HEAD_DIMS)  # what plan accepts
+
+
+def test_the_build_exports_every_config():
+    """CMakeLists.txt and csrc/attention.cpp name the exported kernels themselves (the build
+    must know its outputs before the export runs): one per osk.CONFIGS, by aot.py's prefix."""
+    prefixes = sorted(aot.aot_prefix(dt, d) for dt, d in osk.CONFIGS)
+    cmake = re.search(r"foreach\(_config ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text()).group(1)
+    assert sorted(f"cosa_osk_{config}" for config in cmake.split()) == prefixes
+    source = (ROOT / "csrc" / "attention.cpp").read_text()
+    assert sorted(re.findall(r'#include "(cosa_osk_\w+)\.h"', source)) == prefixes
+    assert sorted(re.findall(r"^COSA_OSK_LAUNCHER\((\w+)\)", source, re.MULTILINE)) == prefixes
+
+
+def test_the_kernel_reads_the_plan_s_qtile_columns():
+    columns = ("REQUEST", "INDEX", "ROW_START", "ROWS", "NUM_SELECTED")
+    assert [getattr(osk, f"QT_{c}") for c in columns] == [getattr(_C, f"QT_{c}") for c in columns]
 
 
 @pytest.mark.parametrize("dtype_name,head_dim", osk.CONFIGS)
