@@ -32,13 +32,18 @@ void check_cuda(cudaError_t err, const char* what) {
 
 struct cosa_plan {
     cosa_remap_plan remap;
-    cosa_plan_args args;
+    // What cosa_run needs of cosa_plan_args: its scalars (the caller's arrays may be gone).
+    cosa_dtype dtype{};
+    int32_t head_dim = 0, page_size = 0, num_kv_heads = 0;
+    int64_t num_pages = 0;
+    bool causal = true;
+    double sm_scale = 0, delta = 0;
     int64_t total_q = 0;
     int device = 0;
     // One device allocation of int32 words: the plan tables, then the scratch.
     int32_t* words = nullptr;
     int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
-            tile_order = 0, lse = 0, computed = 0, skipped = 0, num_words = 0;
+            tile_order = 0, lse = 0, computed = 0, skipped = 0;
 
     ~cosa_plan();
 };
@@ -178,7 +183,14 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         cosa::Plan host = cosa::build_plan(args->remap);
 #ifdef COSA_AOT_KERNELS
         auto plan = std::make_unique<cosa_plan>();
-        plan->args = *args;
+        plan->dtype = args->dtype;
+        plan->head_dim = args->remap.head_dim;
+        plan->page_size = args->remap.page_size;
+        plan->num_kv_heads = args->remap.num_kv_heads;
+        plan->num_pages = args->remap.num_pages;
+        plan->causal = args->remap.causal;
+        plan->sm_scale = args->sm_scale;
+        plan->delta = args->delta;
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
         int64_t at = 0;
         auto carve = [&](int64_t& offset, int64_t words) { offset = at; at += words; };
@@ -191,7 +203,6 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         carve(plan->lse, plan->total_q * host.num_qo_heads);  // float, 4 bytes like int32
         carve(plan->computed, host.num_tiles());
         carve(plan->skipped, host.num_tiles());
-        plan->num_words = at;
         cosa::check_cuda(cudaGetDevice(&plan->device), "cudaGetDevice");
         cosa::check_cuda(cudaMalloc(reinterpret_cast<void**>(&plan->words),
                                     static_cast<std::size_t>(std::max<int64_t>(at, 1)) * sizeof(int32_t)),
@@ -236,16 +247,15 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         if (device != plan->device)
             invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
                     std::to_string(device));
-        const cosa_plan_args& a = plan->args;
-        const int32_t hq = p.num_qo_heads, d = a.remap.head_dim, page_size = a.remap.page_size,
-                      nq = static_cast<int32_t>(p.num_qtiles());
-        const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(a.remap.num_pages);
+        const int32_t hq = p.num_qo_heads, d = plan->head_dim, page_size = plan->page_size,
+                      hkv = plan->num_kv_heads, nq = static_cast<int32_t>(p.num_qtiles());
+        const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(plan->num_pages);
         int32_t* w = plan->words;
         Launch l{};
         l.q = {const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
-        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, a.remap.num_kv_heads, d},
+        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, hkv, d},
                {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
-        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, a.remap.num_kv_heads, d},
+        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, hkv, d},
                {args->v_strides[0], args->v_strides[1], args->v_strides[2]}};
         l.o = {args->o, {total_q, hq, d}, {args->o_strides[0], args->o_strides[1]}};
         l.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
@@ -260,13 +270,13 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
                    {static_cast<int64_t>(hq) * p.k_max, p.k_max}};
         l.computed = {args->computed != nullptr ? args->computed : w + plan->computed, {nq, hq}, {hq}};
         l.skipped = {args->skipped != nullptr ? args->skipped : w + plan->skipped, {nq, hq}, {hq}};
-        l.sm_scale = static_cast<float>(a.sm_scale);
-        l.log_delta = a.delta > 0 ? static_cast<float>(std::log(a.delta)) : -std::numeric_limits<float>::infinity();
+        l.sm_scale = static_cast<float>(plan->sm_scale);
+        l.log_delta = plan->delta > 0 ? static_cast<float>(std::log(plan->delta)) : -std::numeric_limits<float>::infinity();
         l.page_shift = static_cast<int32_t>(std::log2(page_size));
-        l.group = hq / a.remap.num_kv_heads;
-        l.causal = a.remap.causal ? 1 : 0;
+        l.group = hq / hkv;
+        l.causal = plan->causal ? 1 : 0;
         l.num_tiles = static_cast<int32_t>(p.num_tiles());
-        const int32_t ret = launch(a.dtype, a.remap.head_dim, l, static_cast<cudaStream_t>(stream));
+        const int32_t ret = launch(plan->dtype, d, l, static_cast<cudaStream_t>(stream));
         if (ret != 0) throw cosa::CudaError("OSK kernel launch failed with code " + std::to_string(ret));
 #else
         (void)stream;
