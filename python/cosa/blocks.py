@@ -1,10 +1,16 @@
-"""The logical 128-token block shared by queries and keys."""
+"""The logical 128-token block shared by queries and keys, and the dtype the torch paths (the
+exact reference, the proxies) compute in."""
 
 from __future__ import annotations
 
 import torch
 
 from ._C import BLOCK_SIZE as BLOCK
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs (studies), else float32."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def num_blocks(n: int) -> int:

@@ -14,12 +14,8 @@ import math
 
 import torch
 
-from .blocks import BLOCK, blocked, num_blocks
+from .blocks import BLOCK, blocked, compute_dtype, num_blocks
 _DENSE_ROWS = 512  # query rows per chunk of dense attention, bounding its memory
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def skip_threshold(delta: float, kv_len: int) -> float:
@@ -32,7 +28,7 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     """Softmax attention over every visible key: ``(o [q_len, hq, d] in q's dtype, lse [q_len, hq] float32)``."""
     q_len, num_qo_heads, _ = q.shape
     kv_len, num_kv_heads, _ = k.shape
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     group = num_qo_heads // num_kv_heads
     keys = k.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)     # [hq, kv, d]
     values = v.to(dtype).repeat_interleave(group, dim=1).transpose(0, 1)
@@ -68,7 +64,7 @@ def ordered_skip_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, or
     q_len, num_qo_heads, d = q.shape
     kv_len, num_kv_heads, _ = k.shape
     tiles, kv_blocks = num_blocks(q_len), num_blocks(kv_len)
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     device = q.device
     q_tiles = blocked(q, dtype)                                        # [hq, tiles, 128, d]
     k_blocks, v_blocks = blocked(k, dtype), blocked(v, dtype)

@@ -14,13 +14,14 @@ import math
 
 import torch
 
-from .order import block_means, candidate_mask, grouped_products, score_dtype
+from ..blocks import compute_dtype
+from .order import block_means, candidate_mask, grouped_products
 
 
 def flexprefill_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, *, causal: bool,
                        sm_scale: float) -> torch.Tensor:
     """``[hq, tiles, kv_blocks]`` pooled attention probabilities over each tile's candidates (0 elsewhere)."""
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q)
     logits = grouped_products(block_means(q, dtype), block_means(k, dtype)) * sm_scale
     logits = logits.masked_fill(~candidate_mask(qtiles, logits.shape[-1]), -math.inf)
     return torch.softmax(logits, dim=-1)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from .order import block_means, grouped_products, score_dtype
+from ..blocks import compute_dtype
+from .order import block_means, grouped_products
 
 
 def kap_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, *, causal: bool,
                sm_scale: float) -> torch.Tensor:
     """``[hq, tiles, kv_blocks]`` pooled dot products (``causal``/``sm_scale`` do not change the ranking)."""
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q)
     return grouped_products(block_means(q, dtype), block_means(k, dtype))

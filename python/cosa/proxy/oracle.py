@@ -12,8 +12,7 @@ import math
 
 import torch
 
-from ..blocks import BLOCK, num_blocks
-from .order import score_dtype
+from ..blocks import BLOCK, compute_dtype, num_blocks
 
 _TILES_PER_CHUNK = 4  # query tiles per chunk of the dense pass, bounding its memory
 
@@ -24,7 +23,7 @@ def attention_block_mass(q: torch.Tensor, k: torch.Tensor, *, causal: bool, sm_s
     over each query tile's rows (causal alignment bottom-right, as everywhere in cosa)."""
     q_len, num_qo_heads, _ = q.shape
     kv_len = k.shape[0]
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q)
     keys = k.to(dtype).repeat_interleave(num_qo_heads // k.shape[1], dim=1).transpose(0, 1)  # [hq, kv, d]
     tiles, kv_blocks = num_blocks(q_len), num_blocks(kv_len)
     mass = torch.zeros((tiles, num_qo_heads, kv_blocks), dtype=dtype, device=q.device)

@@ -24,10 +24,6 @@ BLOCK_BITS = 28
 _PRIORITY_SHIFT = BLOCK_BITS + 32
 
 
-def score_dtype(q: torch.Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def block_means(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Mean of each 128-row block of ``x [n, heads, d]`` over its valid rows: ``[heads, blocks, d]``.
 

@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from ..blocks import BLOCK, num_blocks
-from .order import grouped_products, score_dtype
+from ..blocks import BLOCK, compute_dtype, num_blocks
+from .order import grouped_products
 
 LAST_Q = 64
 
@@ -25,7 +25,7 @@ def vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor
     """``[hq, tiles, kv_blocks]`` vertical plus slash attention mass per block."""
     q_len, num_qo_heads, _ = q.shape
     kv_len = k.shape[0]
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q)
     device = q.device
     tiles, kv_blocks = num_blocks(q_len), num_blocks(kv_len)
     last = min(last_q, q_len)

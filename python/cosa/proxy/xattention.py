@@ -14,8 +14,8 @@ import math
 
 import torch
 
-from ..blocks import BLOCK, blocked
-from .order import grouped_products, score_dtype
+from ..blocks import BLOCK, blocked, compute_dtype
+from .order import grouped_products
 
 _TILES_PER_CHUNK = 8  # query tiles scored at once, bounding memory at long contexts
 
@@ -26,7 +26,7 @@ def xattention_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, *,
     if BLOCK % stride:
         raise ValueError(f"stride must divide the block size {BLOCK}, got {stride}")
     q_len, kv_len = q.shape[0], k.shape[0]
-    dtype = score_dtype(q)
+    dtype = compute_dtype(q)
     q_blocks, k_blocks = blocked(q, dtype), blocked(k, dtype)        # [h, blocks, 128, d]
     num_qo_heads, tiles, _, d = q_blocks.shape
     num_kv_heads, kv_blocks = k_blocks.shape[:2]
