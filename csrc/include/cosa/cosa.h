@@ -1,11 +1,12 @@
 /*
- * cosa: C API of the paged-KV remap layer.
+ * cosa: C API of libcosa -- the paged-KV remap layer and, when built with the
+ * kernels, the OSK attention kernel (the "Attention" section below).
  *
- * Given a batch's page table (FlashInfer's CSR form) this builds the plan
- * tables that CoSA's kernel reads: per-request lengths, the physical pages of
- * every 128-token key block, one row per 128-row query tile, and the order in
- * which (query tile, head) work items are taken. docs/design.md ("Plan
- * tensors") defines every array exactly.
+ * Given a batch's page table (FlashInfer's CSR form) the remap layer builds
+ * the plan tables that CoSA's kernel reads: per-request lengths, the physical
+ * pages of every 128-token key block, one row per 128-row query tile, and the
+ * order in which (query tile, head) work items are taken. docs/design.md
+ * ("Plan tensors") defines every array exactly.
  *
  * Conventions:
  *  - Functions returning cosa_status never throw or abort; on failure
