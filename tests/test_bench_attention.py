@@ -101,7 +101,8 @@ def test_time_in_rounds_reports_a_row_that_fails_and_times_the_others():
 
 def test_settle_calls_fill_the_settling_time_at_the_warm_up_rate():
     rng = random.Random()
-    calls, per_call, settle = rng.randrange(3, 10), rng.uniform(1e-4, 0.05), rng.uniform(0.2, 0.5)
+    calls, settle = rng.randrange(3, 10), rng.uniform(0.2, 0.5)
+    per_call = rng.uniform(1e-4, settle / calls)  # a warm-up shorter than the settling time
     extra = bench_attention.settle_calls(calls * per_call, calls, settle)
     assert (calls + extra) * per_call >= settle > (calls + extra - 1) * per_call
     assert bench_attention.settle_calls(settle + per_call, calls, settle) == 0   # warm-up already long enough
