@@ -144,6 +144,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args[:6], 96, PAGE)
     with expect(ValueError, "page_size"):
         cosa.plan(*args[:7], 24)
+    with expect(TypeError, "budget must be a float, got str"):
+        cosa.plan(*args, budget="0.25")
     with expect(ValueError, "budget"):
         cosa.plan(*args, budget=0.0)
     with expect(ValueError, "budget"):
@@ -162,7 +164,9 @@ def test_run_argument_checks(batch):
     plan = cosa.plan(*plan_args(batch), q_data_type=torch.bfloat16)
     with expect(TypeError, "plan"):
         cosa.run("plan", batch.q, batch.cache)
-    with expect(TypeError, "q"):
+    with expect(TypeError, "q must be a torch.Tensor, got list"):
+        cosa.run(plan, batch.q.tolist(), batch.cache)
+    with expect(TypeError, "q is torch.float32, but the plan was made for q_data_type=torch.bfloat16"):
         cosa.run(plan, batch.q.float(), batch.cache)
     with expect(ValueError, "q must have shape"):
         cosa.run(plan, batch.q[:-1], batch.cache)
@@ -176,6 +180,17 @@ def test_run_argument_checks(batch):
         cosa.run(plan, batch.q, (batch.cache[:, 0], batch.cache[:, 1, :, :1]))
     with expect(TypeError, "paged_kv_cache"):
         cosa.run(plan, batch.q, "cache")
+    with expect(ValueError, "paged_kv_cache is on meta, but the plan is on cpu"):
+        cosa.run(plan, batch.q, batch.cache.to("meta"))
+    k, v = batch.cache[:, 0], batch.cache[:, 1]
+    with expect(TypeError, r"a \(k_cache, v_cache\) tuple of tensors"):
+        cosa.run(plan, batch.q, (k, "v_cache"))
+    with expect(ValueError, "k_cache must be 4-D"):
+        cosa.run(plan, batch.q, (k[0], v[0]))
+    with expect(ValueError, "k_cache and v_cache differ in dtype or device"):
+        cosa.run(plan, batch.q, (k, v.half()))
+    with expect(ValueError, "the head_dim axis must be contiguous"):
+        cosa.run(plan, batch.q, batch.cache.transpose(-1, -2).contiguous().transpose(-1, -2))
     with expect(ValueError, "page_size"):        # an HND cache read as NHD
         cosa.run(plan, batch.q, batch.cache.transpose(2, 3))
     with expect(ValueError, "out"):
@@ -203,5 +218,9 @@ def test_calibrated_delta_reaches_the_target_density():
     looser = cosa.plan(*plan_args(batch), budget=0.5, delta=delta / 1.01, q_data_type=torch.float32)
     cosa.run(looser, batch.q, batch.cache)
     assert looser.stats().density_stage2 > target
-    with pytest.raises(ValueError, match="target_density"):
+    with pytest.raises(ValueError, match="target_density 1e-06 is below the density"):
         calibrate_delta(plan, batch.q, batch.cache, 1e-6)
+    with pytest.raises(ValueError, match=r"target_density must be in \(0, 1\], got 0"):
+        calibrate_delta(plan, batch.q, batch.cache, 0)
+    with pytest.raises(ValueError, match="need 0 < low < high, got low=1.0, high=0.5"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, low=1.0, high=0.5)

@@ -14,9 +14,11 @@ def calibrate_delta(plan: Plan, q, paged_kv_cache, target_density: float, *, low
     stage-2 density (computed over candidate blocks, ``Stats.density_stage2``)
     on these inputs is at most ``target_density``.
 
-    Runs ``plan`` with different deltas (the plan's own is left as it was); use
-    the result in the next ``plan``. Raises ``ValueError`` when even ``high``
-    skips too little: the first visited block of every tile is always computed.
+    Runs copies of ``plan`` with other deltas: ``plan.delta`` is left as it
+    was, but the copies share its buffers, so its stats are then the last
+    trial's. Use the result in the next ``plan``. Raises ``ValueError`` when
+    even ``high`` skips too little: the first visited block of every tile is
+    always computed.
     """
     if not 0 < target_density <= 1:
         raise ValueError(f"target_density must be in (0, 1], got {target_density!r}")
@@ -24,8 +26,9 @@ def calibrate_delta(plan: Plan, q, paged_kv_cache, target_density: float, *, low
         raise ValueError(f"need 0 < low < high, got low={low!r}, high={high!r}")
 
     def density(delta: float) -> float:
-        run(dataclasses.replace(plan, delta=delta), q, paged_kv_cache)
-        return plan.stats().density_stage2
+        trial = dataclasses.replace(plan, delta=delta)
+        run(trial, q, paged_kv_cache)
+        return trial.stats().density_stage2
 
     if density(low) <= target_density:
         return low
