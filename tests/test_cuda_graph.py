@@ -16,9 +16,6 @@ from cosa.synthetic import structured_qkv
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("CUDA is not available", allow_module_level=True)
-
 HQ, HKV, D = 8, 2, 128
 Q_LENS, KV_LENS = [1200, 200], [2000, 600]   # ragged, chunked, partial tiles, blocks and pages
 DELTA = 0.5   # with these lengths stage 2 skips blocks on every input tried (57 to 222 of 560)

@@ -23,17 +23,13 @@ import torch
 
 import cosa
 from cosa import _C
+from cosa.cute_kernels import kap
 from cosa.paged import uniform_page_table
 from cosa.proxy import block_means, proxy_order
 from cosa.proxy.order import _PRIORITY_SHIFT, _SCORED, grouped_products
 from batch import make_batch
 
 pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA is not available", allow_module_level=True)
-
-from cosa.cute_kernels import kap  # noqa: E402
 
 POISON = -7
 MEAN_TOL = 1e-5

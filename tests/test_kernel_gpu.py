@@ -25,14 +25,10 @@ import torch
 
 import cosa
 from cosa import reference
+from cosa.cute_kernels import osk
 from batch import make_batch
 
 pytestmark = pytest.mark.gpu
-
-if not torch.cuda.is_available():
-    pytest.skip("CUDA is not available", allow_module_level=True)
-
-from cosa.cute_kernels import osk  # noqa: E402  (needs the GPU toolchain)
 
 LSE_SENTINEL = 12345.0
 COUNT_SENTINEL = -7
