@@ -58,7 +58,12 @@ class Stats:
 
 @dataclass(frozen=True, eq=False)
 class Plan:
-    """Everything ``run`` needs that depends on the batch shape only. Built by :func:`plan`."""
+    """Everything ``run`` needs that depends on the batch shape only. Built by :func:`plan`.
+
+    The fields record what ``plan`` was called with. ``delta`` and ``sm_scale`` are read by
+    each ``run``, so a ``dataclasses.replace`` of them takes effect (``calibrate_delta`` does
+    so); the others shaped the plan's tables (``budget``, ``force_local`` and ``force_sink``
+    the selection and ranking, ``causal`` the candidates), so change them through ``plan``."""
 
     num_qo_heads: int
     num_kv_heads: int
