@@ -103,6 +103,7 @@ def test_other_families_prefill_through_cosa(family):
     and at full budget without skipping the logits equal SDPA's."""
     config_name, model_name, extra = FAMILIES[family]
     seed = torch.seed() % 2**31
+    print(f"seed={seed}")
     torch.manual_seed(seed)
     config = getattr(transformers, config_name)(
         vocab_size=512, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
