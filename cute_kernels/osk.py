@@ -652,9 +652,10 @@ class OSKForward:
     def _row_max_bits(self, acc_bits_mn, r: cutlass.Constexpr):
         """The largest float32 of row r of this thread's S, found among their bit patterns read
         as int32, which ptxas reduces three at a time (VIMNMX3: half the instructions of the
-        float maximum, bit-exact; bench/NOTES.md, session 22).  While one value is >= +0 the largest pattern is the largest
-        float.  Negative floats order inversely to their patterns, so where all are negative
-        (a fully masked row's -inf included) the smallest pattern is the largest float."""
+        float maximum, bit-exact; bench/NOTES.md, session 22).  While one value is >= +0 the
+        largest pattern is the largest float.  Negative floats order inversely to their
+        patterns, so where all are negative (a fully masked row's -inf included) the smallest
+        pattern is the largest float."""
         row = [acc_bits_mn[r, c] for c in range(cute.size(acc_bits_mn, mode=[1]))]
         bits = cute.make_rmem_tensor((1,), Int32)
         bits[0] = _reduce_by_threes(row, cutlass.max)
