@@ -67,7 +67,8 @@ query head):
   loop computes S in two 64-key halves: the next block's low half is issued right
   before this block's vote, so that it runs under the vote (the K block behind it is
   waited for first; past the last block it reads a stale stage and is discarded), and
-  its high half as soon as this block's S is dead, before the loop top.  That loop
+  its high half as soon as this block's S is dead, before the loop top (after a skipped
+  block with no PV pending, right behind the low half, without waiting for it).  That loop
   knows each computed block's max before its softmax, so it keeps P's reference (and O
   unrescaled) while no P of the block would exceed 2^8 against it; the skip rule reads
   the exact running max, kept beside it.  With
@@ -1082,31 +1083,37 @@ class OSKForward:
                         sDecision[d_state.index] = Int32(skip)
                         pipe_decision.producer_commit(d_state)
                     d_state.advance()
-                    if pending:
-                        self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
-                        self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
-                    rescale = cutlass.Boolean(False)
-                    if not skip:
-                        self._quad_max(tile_rows)
-                        rescale = self._softmax_lagged(tile_rows, acc_S, corr)
-                    # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
-                    # (waited on every path, so that ptxas sees O's readers ordered after it and
-                    # does not serialise the wgmmas)
-                    warpgroup.wait_group(0)
-                    if pending:
-                        pipe_v.consumer_release(v_pending)
-                    if skip:
-                        pending = cutlass.Boolean(False)
+                    # The next block's high half, as soon as S is dead (past the last block on a
+                    # stale stage, like the low half).  A skipped block with no PV pending has only
+                    # the low half in flight: the high half queues behind it, so that the tensor
+                    # cores go on from one to the other, and only the low half is waited for
+                    if skip and not pending:
+                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
+                        warpgroup.wait_group(1)
                     else:
-                        pending = cutlass.Boolean(True)
-                        computed = computed + 1
-                        j_pending = jstart
-                        if rescale:
-                            self._rescale_o(acc_O_mn, corr)
-                        rP.store(acc_S.load().to(dtype))
-                    # the next block's high half, as soon as S is dead: before the low half's copy
-                    # and the loop top (past the last block on a stale stage, like the low half)
-                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
+                        if pending:
+                            self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
+                            self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
+                        rescale = cutlass.Boolean(False)
+                        if not skip:
+                            self._quad_max(tile_rows)
+                            rescale = self._softmax_lagged(tile_rows, acc_S, corr)
+                        # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
+                        # reused (waited on both paths, so that ptxas sees O's readers ordered
+                        # after it and does not serialise the wgmmas)
+                        warpgroup.wait_group(0)
+                        if pending:
+                            pipe_v.consumer_release(v_pending)
+                        if skip:
+                            pending = cutlass.Boolean(False)
+                        else:
+                            pending = cutlass.Boolean(True)
+                            computed = computed + 1
+                            j_pending = jstart
+                            if rescale:
+                                self._rescale_o(acc_O_mn, corr)
+                            rP.store(acc_S.load().to(dtype))
+                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
                     acc_lo.store(acc_next.load())
                 warpgroup.wait_group(0)  # the high half issued past the last block
                 if pending:
