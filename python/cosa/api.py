@@ -60,10 +60,11 @@ class Stats:
 class Plan:
     """Everything ``run`` needs that depends on the batch shape only. Built by :func:`plan`.
 
-    The fields record what ``plan`` was called with. ``delta`` and ``sm_scale`` are read by
-    each ``run``, so a ``dataclasses.replace`` of them takes effect (``calibrate_delta`` does
-    so); the others shaped the plan's tables (``budget``, ``force_local`` and ``force_sink``
-    the selection and ranking, ``causal`` the candidates), so change them through ``plan``."""
+    The fields record what ``plan`` was called with. ``delta``, ``sm_scale`` and the launcher
+    ``kernel`` are read by each ``run``, so a ``dataclasses.replace`` of them takes effect
+    (``calibrate_delta`` replaces delta, ``bench/bench_osk_ab.py`` the kernel); the others
+    shaped the plan's tables (``budget``, ``force_local`` and ``force_sink`` the selection
+    and ranking, ``causal`` the candidates), so change them through ``plan``."""
 
     num_qo_heads: int
     num_kv_heads: int
