@@ -64,11 +64,12 @@ Int32Array int32_array(py::handle obj, const std::string& name, py::ssize_t ndim
 cosa::Span<const int32_t> span_of(const Int32Array& array) { return {array.data(), array.size()}; }
 
 // A numpy array that takes over `values` without copying them.
-py::array_t<int32_t> to_numpy(std::vector<int32_t>&& values, std::vector<py::ssize_t> shape) {
-    auto owned = std::make_unique<std::vector<int32_t>>(std::move(values));
-    const py::capsule base(owned.get(), [](void* p) { delete static_cast<std::vector<int32_t>*>(p); });
-    const int32_t* data = owned.release()->data();
-    return py::array_t<int32_t>(std::move(shape), data, base);
+template <class T>
+py::array_t<T> to_numpy(std::vector<T>&& values, std::vector<py::ssize_t> shape) {
+    auto owned = std::make_unique<std::vector<T>>(std::move(values));
+    const py::capsule base(owned.get(), [](void* p) { delete static_cast<std::vector<T>*>(p); });
+    const T* data = owned.release()->data();
+    return py::array_t<T>(std::move(shape), data, base);
 }
 
 py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_indices,
@@ -99,6 +100,7 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
     const py::ssize_t num_kv_blocks = plan.num_kv_blocks();
     const py::ssize_t num_qtiles = plan.num_qtiles();
     const py::ssize_t num_tiles = plan.num_tiles();
+    const py::ssize_t max_request_blocks = plan.max_request_blocks();
     py::dict tables;
     tables["qo_lens"] = to_numpy(std::move(plan.qo_lens), {batch});
     tables["kv_lens"] = to_numpy(std::move(plan.kv_lens), {batch});
@@ -107,6 +109,7 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
         to_numpy(std::move(plan.block_pages), {num_kv_blocks, plan.pages_per_block});
     tables["qtiles"] = to_numpy(std::move(plan.qtiles), {num_qtiles, COSA_QT_COLUMNS});
     tables["tile_order"] = to_numpy(std::move(plan.tile_order), {num_tiles, 2});
+    tables["rank_base"] = to_numpy(std::move(plan.rank_base), {num_qtiles, max_request_blocks});
     tables["k_max"] = plan.k_max;
     tables["pages_per_block"] = plan.pages_per_block;
     tables["num_qo_heads"] = plan.num_qo_heads;
@@ -182,6 +185,9 @@ PYBIND11_MODULE(_C, m) {
     m.attr("QT_LOCAL_LAST") = int{COSA_QT_LOCAL_LAST};
     m.attr("QT_NUM_SELECTED") = int{COSA_QT_NUM_SELECTED};
     m.attr("QT_COLUMNS") = int{COSA_QT_COLUMNS};
+    m.attr("RANK_BLOCK_BITS") = cosa::kRankBlockBits;
+    m.attr("RANK_PRIORITY_SHIFT") = cosa::kRankPriorityShift;
+    m.attr("RANK_SCORED") = int{cosa::kScored};
 
     m.def("build_plan", &build_plan, py::arg("qo_indptr"), py::arg("kv_indptr"),
           py::arg("kv_indices"), py::arg("kv_last_page_len"), py::kw_only(), py::arg("num_pages"),
@@ -192,8 +198,10 @@ PYBIND11_MODULE(_C, m) {
 The four arrays are 1-D integer arrays (int32 is used without a copy). Returns a
 dict of int32 numpy arrays qo_lens [B], kv_lens [B], kv_block_indptr [B+1],
 block_pages [num_kv_blocks, pages_per_block], qtiles [num_qtiles, QT_COLUMNS] and
-tile_order [num_qtiles * num_qo_heads, 2], and the ints k_max, pages_per_block and
-num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
+tile_order [num_qtiles * num_qo_heads, 2], the int64 array rank_base [num_qtiles, key
+blocks of the longest request] (the proxy's ranking keys without the score:
+priority << RANK_PRIORITY_SHIFT | block index), and the ints k_max, pages_per_block
+and num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
 non-integer array.)doc");
     m.def("resolve_order", &resolve_order, py::arg("plan"), py::arg("order"),
           R"doc(Physical pages of an order mask: [num_qtiles, num_qo_heads, k_max, pages_per_block].

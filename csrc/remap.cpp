@@ -246,6 +246,28 @@ void build_tile_order(Plan& plan, const PlanArgs& args) {
     }
 }
 
+// Each tile's ranking keys without the score: the visiting priority (forced local blocks, the
+// sink, the scored candidates, then the blocks the tile cannot see) and the block index.
+void build_rank_base(const PlanArgs& args, Plan& plan) {
+    const int64_t width = plan.max_request_blocks();
+    if (plan.num_qtiles() * width > kInt32Max) {
+        fail("qo_indptr, kv_indptr: ", plan.num_qtiles(), " query tiles and ", width,
+             " key blocks in the longest request give a ranking table of more than ", kInt32Max,
+             " entries");
+    }
+    plan.rank_base.reserve(static_cast<size_t>(plan.num_qtiles() * width));
+    for (int64_t qt = 0; qt < plan.num_qtiles(); ++qt) {
+        const int32_t* row = plan.qtiles.data() + qt * COSA_QT_COLUMNS;
+        for (int64_t j = 0; j < width; ++j) {
+            int64_t priority = j < row[COSA_QT_NUM_CANDIDATES] ? kScored : kNotCandidate;
+            if (args.force_sink && j == 0) priority = kSink;  // block 0 is every tile's candidate
+            if (args.force_local && j == row[COSA_QT_LOCAL_LAST]) priority = kLocalLast;
+            if (args.force_local && j == row[COSA_QT_LOCAL_FIRST]) priority = kLocalFirst;
+            plan.rank_base.push_back(priority << kRankPriorityShift | j);
+        }
+    }
+}
+
 // Checks what resolve_order reads; returns the largest candidate count.
 int64_t check_plan_layout(const Plan& plan) {
     if (plan.num_qo_heads < 1 || plan.pages_per_block < 1 || plan.k_max < 0) {
@@ -297,6 +319,7 @@ Plan build_plan(const PlanArgs& args) {
     check_page_table(args, plan);
     build_block_table(args, plan);
     build_qtiles(args, plan);
+    build_rank_base(args, plan);
     build_tile_order(plan, args);
     return plan;
 }

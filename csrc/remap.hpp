@@ -2,6 +2,7 @@
 // tables of docs/design.md ("Plan tensors"). Host code, run once per batch shape.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <vector>
@@ -11,6 +12,15 @@
 namespace cosa {
 
 inline constexpr std::array<int32_t, 5> kPageSizes = {16, 32, 64, 128, 256};
+
+// A key block's ranking key within its query tile, an int64 that the proxy sorts descending
+// (docs/design.md, "Visiting order"): priority << kRankPriorityShift, plus the score code (a
+// signed int32 ordered like the score) << kRankBlockBits, plus the block index. Distinct
+// blocks get distinct keys, so a sort needs no tie rule of its own. An int32 kv_len bounds the
+// block index by 2^24, well inside its 28 bits.
+enum RankPriority : int64_t { kNotCandidate, kScored, kSink, kLocalLast, kLocalFirst };
+inline constexpr int kRankBlockBits = 28;
+inline constexpr int kRankPriorityShift = kRankBlockBits + 32;
 
 // A caller-owned array; `data` may be null only when `size` is 0.
 template <class T>
@@ -48,12 +58,21 @@ struct Plan {
     std::vector<int32_t> block_pages;      // [num_kv_blocks, pages_per_block]
     std::vector<int32_t> qtiles;           // [num_qtiles, COSA_QT_COLUMNS]
     std::vector<int32_t> tile_order;       // [num_tiles, 2]
+    // The ranking keys without the score code: [num_qtiles, max_request_blocks()].
+    std::vector<int64_t> rank_base;
 
     int64_t batch_size() const { return static_cast<int64_t>(qo_lens.size()); }
     int64_t num_kv_blocks() const {
         return static_cast<int64_t>(block_pages.size()) / pages_per_block;
     }
     int64_t num_qtiles() const { return static_cast<int64_t>(qtiles.size()) / COSA_QT_COLUMNS; }
+    // Key blocks of the longest request.
+    int64_t max_request_blocks() const {
+        int64_t most = 0;
+        for (size_t r = 0; r + 1 < kv_block_indptr.size(); ++r)
+            most = std::max<int64_t>(most, kv_block_indptr[r + 1] - kv_block_indptr[r]);
+        return most;
+    }
     int64_t num_tiles() const { return num_qtiles() * num_qo_heads; }
     // Entries of the order mask [num_qtiles, num_qo_heads, k_max].
     int64_t order_size() const { return num_tiles() * k_max; }

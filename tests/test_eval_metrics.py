@@ -67,7 +67,7 @@ def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering):
                      q_data_type=torch.float32)
     order = torch.empty_like(plan.order)
     proxy_order(q, k, plan.qtiles, plan.rank_base, order)
-    moved = reorder_scored_blocks(order, plan.qtiles, 12, ordering, g)
+    moved = reorder_scored_blocks(order, plan.qtiles, plan.rank_base, ordering, g)
     for tile in range(order.shape[0]):
         forced = 1 + (tile > 0)                          # the diagonal block, then the sink
         selected = int(plan.qtiles[tile, cosa._C.QT_NUM_SELECTED])

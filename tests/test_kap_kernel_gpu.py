@@ -26,7 +26,7 @@ from cosa import _C
 from cosa.cute_kernels import kap
 from cosa.paged import uniform_page_table
 from cosa.proxy import block_means, proxy_order
-from cosa.proxy.order import _PRIORITY_SHIFT, _SCORED, grouped_products
+from cosa.proxy.order import grouped_products, is_forced
 from batch import make_batch
 
 pytestmark = pytest.mark.gpu
@@ -47,7 +47,7 @@ def check_means(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 def check_rows(got, want, qtiles, rank_base, scores, magnitudes, where: str) -> None:
     """One request's order rows ``got`` against the float64 reference ``want`` [tiles, hq, k_max];
     ``scores`` / ``magnitudes`` [hq, tiles, blocks]: float64 scores and sums of |products|."""
-    forced = (rank_base >> _PRIORITY_SHIFT) > _SCORED
+    forced = is_forced(rank_base)
     for t in range(got.shape[0]):
         n, selected = int(qtiles[t, _C.QT_NUM_CANDIDATES]), int(qtiles[t, _C.QT_NUM_SELECTED])
         num_forced = int(forced[t, :n].sum())

@@ -20,7 +20,7 @@ import torch
 from . import _C
 from .blocks import num_blocks
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
-from .proxy import check_proxy, proxy_order, rank_base
+from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -96,8 +96,8 @@ class Plan:
     block_pages: torch.Tensor
     qtiles: torch.Tensor
     tile_order: torch.Tensor
-    # [num_qtiles, max key blocks of a request] int64: the proxy's ranking keys before the
-    # scores (visiting priority and block index, cosa.proxy.rank_base), built once here
+    # [num_qtiles, key blocks of the longest request] int64: the proxy's ranking keys without
+    # the scores (visiting priority and block index; docs/design.md, "Plan tensors")
     rank_base: torch.Tensor
     # buffers written by run
     order: torch.Tensor      # [num_qtiles, num_qo_heads, k_max]
@@ -244,10 +244,10 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     k_max = tables["k_max"]
     num_qtiles = qtiles.shape[0]
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
-    max_kv_blocks = num_blocks(int(tables["kv_lens"].max(initial=0)))
 
     kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type)
-    rank_kernel = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type, max_kv_blocks)
+    rank_kernel = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type,
+                             tables["rank_base"].shape[1])
     pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if rank_kernel else (0, 0)
     order, computed, skipped, lse, qbar, kbar = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
@@ -258,8 +258,6 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
-
-    qtiles_device = to_device(qtiles)
 
     return Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -274,9 +272,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         min_num_pages=int(used_pages.max()) + 1 if used_pages.size else 0,
         k_max=k_max, kv_indices=kv_indices.to(device), qo_lens=to_device(tables["qo_lens"]),
         kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
-        block_pages=to_device(tables["block_pages"]), qtiles=qtiles_device,
-        tile_order=to_device(tables["tile_order"]),
-        rank_base=rank_base(qtiles_device, max_kv_blocks, bool(force_local), bool(force_sink)),
+        block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
+        tile_order=to_device(tables["tile_order"]), rank_base=to_device(tables["rank_base"]),
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
         kernel=kernel, rank_kernel=rank_kernel)
 

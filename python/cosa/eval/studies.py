@@ -19,7 +19,7 @@ import torch
 from .. import _C
 from ..api import plan, run
 from ..paged import to_pages, uniform_page_table
-from ..proxy import PROXIES, cumulative_threshold_counts, proxy_order, visiting_priority
+from ..proxy import PROXIES, cumulative_threshold_counts, is_forced, proxy_order
 from ..proxy.flexprefill import flexprefill_scores
 from ..proxy.oracle import attention_block_mass
 from ..reference import dense_attention, ordered_skip_attention
@@ -35,15 +35,15 @@ def _contiguous_plan(q, k, **options):
                 q.shape[2], 128, q_data_type=q.dtype, **options)
 
 
-def reorder_scored_blocks(order: torch.Tensor, qtiles: torch.Tensor, num_kv_blocks: int, ordering: str,
+def reorder_scored_blocks(order: torch.Tensor, qtiles: torch.Tensor, rank_base: torch.Tensor, ordering: str,
                           generator: torch.Generator | None = None) -> torch.Tensor:
     """``order`` with its forced prefix kept and the scored blocks after it in ``ordering``:
-    ``descending`` (as listed), ``ascending`` (reversed) or ``random``."""
+    ``descending`` (as listed), ``ascending`` (reversed) or ``random``. ``qtiles`` and
+    ``rank_base`` are the plan's."""
     if ordering == "descending":
         return order
-    priority = visiting_priority(qtiles, num_kv_blocks, True, True)
     selected = qtiles[:, _C.QT_NUM_SELECTED, None, None].long()
-    forced = ((priority > 1).sum(-1)[:, None, None]).clamp(max=selected)
+    forced = (is_forced(rank_base).sum(-1)[:, None, None]).clamp(max=selected)
     position = torch.arange(order.shape[-1], device=order.device).expand(order.shape)
     scored = (position >= forced) & (position < selected)
     if ordering == "ascending":
@@ -86,7 +86,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
                 for ordering in ORDERINGS:
                     if ordering != "descending" and budget not in ordering_budgets:
                         continue
-                    visit_order = reorder_scored_blocks(order, plan_.qtiles, kv_blocks, ordering, generator)
+                    visit_order = reorder_scored_blocks(order, plan_.qtiles, plan_.rank_base, ordering, generator)
                     # the ablation compares orders at equal delta, so descending runs its deltas too
                     ablation_deltas = ordering_deltas if budget in ordering_budgets else ()
                     for delta in sorted({*deltas, *ablation_deltas}) if ordering == "descending" else ablation_deltas:

@@ -21,7 +21,7 @@ import torch
 from .flexprefill import cumulative_threshold_counts, flexprefill_scores
 from .kap import kap_scores
 from .oracle import oracle_scores
-from .order import block_means, order_from_scores, rank_base, visiting_priority
+from .order import block_means, is_forced, order_from_scores
 from .vertical_slash import vertical_slash_scores
 from .xattention import xattention_scores
 
@@ -57,5 +57,5 @@ def proxy_order(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, base: to
     order_from_scores(scores, qtiles, base, out)
 
 
-__all__ = ["PROXIES", "block_means", "check_proxy", "cumulative_threshold_counts", "proxy_order",
-           "rank_base", "visiting_priority"]
+__all__ = ["PROXIES", "block_means", "check_proxy", "cumulative_threshold_counts", "is_forced",
+           "proxy_order"]

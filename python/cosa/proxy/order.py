@@ -15,13 +15,12 @@ import torch
 from .. import _C
 from ..blocks import BLOCK
 
-# Visiting priority of a key block within its tile; higher is visited first.
-_NOT_CANDIDATE, _SCORED, _SINK, _LOCAL_LAST, _LOCAL_FIRST = range(5)
-# A block's ranking key, an int64: priority * 2**60 + score code * 2**28 + block index, the
+# A block's ranking key, an int64 built by the C++ plan (``Plan.rank_base``, docs/design.md
+# "Visiting order"): priority << PRIORITY_SHIFT | score code << BLOCK_BITS | block index, the
 # score code a signed 32-bit integer (see _score_code). Distinct blocks get distinct keys, so
 # top-k needs no tie rule of its own.
-BLOCK_BITS = 28
-_PRIORITY_SHIFT = BLOCK_BITS + 32
+BLOCK_BITS = _C.RANK_BLOCK_BITS
+PRIORITY_SHIFT = _C.RANK_PRIORITY_SHIFT
 
 
 def block_means(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -51,27 +50,9 @@ def candidate_mask(qtiles: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
     return blocks[None, :] < qtiles[:, _C.QT_NUM_CANDIDATES, None]
 
 
-def visiting_priority(qtiles: torch.Tensor, num_kv_blocks: int, force_local: bool,
-                      force_sink: bool) -> torch.Tensor:
-    """``[tiles, num_kv_blocks]`` priorities (see the module doc) from the plan's qtile rows."""
-    blocks = torch.arange(num_kv_blocks, device=qtiles.device)[None, :]
-    candidates = candidate_mask(qtiles, num_kv_blocks)
-    priority = torch.where(candidates, _SCORED, _NOT_CANDIDATE)
-    if force_sink:
-        priority = torch.where(candidates & (blocks == 0), _SINK, priority)
-    if force_local:
-        priority = torch.where(blocks == qtiles[:, _C.QT_LOCAL_LAST, None], _LOCAL_LAST, priority)
-        priority = torch.where(blocks == qtiles[:, _C.QT_LOCAL_FIRST, None], _LOCAL_FIRST, priority)
-    return priority
-
-
-def rank_base(qtiles: torch.Tensor, num_kv_blocks: int, force_local: bool,
-              force_sink: bool) -> torch.Tensor:
-    """``[tiles, num_kv_blocks]`` int64: the ranking keys without the score code. Depends on the
-    plan only, so ``cosa.plan`` builds it once (``Plan.rank_base``). An int32 ``kv_len`` bounds
-    the block index by 2**24, well inside its 28 bits."""
-    priority = visiting_priority(qtiles, num_kv_blocks, force_local, force_sink).long()
-    return (priority << _PRIORITY_SHIFT) | torch.arange(num_kv_blocks, device=qtiles.device)
+def is_forced(rank_base: torch.Tensor) -> torch.Tensor:
+    """Which blocks of ``Plan.rank_base``'s rows are forced (local or sink): visited first."""
+    return (rank_base >> PRIORITY_SHIFT) > _C.RANK_SCORED
 
 
 def _score_code(scores: torch.Tensor) -> torch.Tensor:
@@ -91,7 +72,7 @@ def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, base: torch.Te
                       out: torch.Tensor) -> None:
     """Writes the order mask for ``scores [hq, tiles, num_kv_blocks]`` into
     ``out [tiles, hq, k_max]`` (int32, -1 past each tile's ``num_selected``).
-    ``base`` is :func:`rank_base` for these tiles, at least ``num_kv_blocks`` wide.
+    ``base`` is ``Plan.rank_base`` for these tiles, at least ``num_kv_blocks`` wide.
     Scores of non-candidate blocks are ignored."""
     num_kv_blocks = scores.shape[-1]
     key = torch.add(base[:, :num_kv_blocks], _score_code(scores), alpha=1 << BLOCK_BITS)
