@@ -1,6 +1,6 @@
 // The attention C API (cosa_plan_*, cosa_run): the remap plan's tables in device
-// memory, launched with the OSK kernels that cute_kernels/aot.py exported ahead of
-// time. Without COSA_AOT_KERNELS only the argument checks are compiled.
+// memory, launched with the KAP and OSK kernels that cute_kernels/aot.py exported
+// ahead of time. Without COSA_AOT_KERNELS only the argument checks are compiled.
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
@@ -23,12 +23,23 @@ void check_cuda(cudaError_t err, const char* what) {
 }  // namespace cosa
 
 // The exported headers report CUDA errors through this macro: throw, don't print.
-#define CUTE_DSL_CUDA_ERROR_CHECK(err) cosa::check_cuda((err), "loading the OSK kernels")
+#define CUTE_DSL_CUDA_ERROR_CHECK(err) cosa::check_cuda((err), "loading the kernels")
+#include "cosa_kap_pool_bf16_d128.h"
+#include "cosa_kap_pool_bf16_d64.h"
+#include "cosa_kap_pool_fp16_d128.h"
+#include "cosa_kap_pool_fp16_d64.h"
+#include "cosa_kap_rank_bf16_d128.h"
+#include "cosa_kap_rank_bf16_d64.h"
+#include "cosa_kap_rank_fp16_d128.h"
+#include "cosa_kap_rank_fp16_d64.h"
 #include "cosa_osk_bf16_d128.h"
 #include "cosa_osk_bf16_d64.h"
 #include "cosa_osk_fp16_d128.h"
 #include "cosa_osk_fp16_d64.h"
 #endif
+
+// Key blocks of the longest request the KAP kernels rank (cute_kernels/kap.py's MAX_KEY_BLOCKS).
+constexpr int64_t kKapMaxKeyBlocks = 4096;
 
 struct cosa_plan {
     cosa_remap_plan remap;
@@ -40,10 +51,15 @@ struct cosa_plan {
     double sm_scale = 0, delta = 0;
     int64_t total_q = 0;
     int device = 0;
-    // One device allocation of int32 words: the plan tables, then the scratch.
+    // Whether cosa_run can compute the order mask itself (KAP ranks every request).
+    bool ranks = false;
+    // One device allocation of 4-byte words: the plan tables, then the scratch, each array
+    // at a word offset below, 256-byte aligned. The KAP arrays (rank_base, int64; the means
+    // qbar and kbar, float; order) are there only when the plan ranks.
     int32_t* words = nullptr;
     int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
-            tile_order = 0, lse = 0, computed = 0, skipped = 0;
+            tile_order = 0, rank_base = 0, lse = 0, computed = 0, skipped = 0, qbar = 0, kbar = 0,
+            order = 0;
 
     ~cosa_plan();
 };
@@ -92,11 +108,19 @@ struct Tensor {
     int64_t stride[3];
 };
 
-struct Launch {
+// The arguments of each exported kernel, in its order (cute_kernels/osk.py, kap.py).
+struct OskArgs {
     Tensor q, k, v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order,
         order, computed, skipped;
     float sm_scale, log_delta;
     int32_t page_shift, group, causal, num_tiles;
+};
+struct PoolArgs {
+    Tensor k, block_pages, kv_block_indptr, kv_lens, kbar;
+    int32_t page_shift;
+};
+struct RankArgs {
+    Tensor q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order;
 };
 
 template <class T, class = void>
@@ -117,28 +141,32 @@ T descriptor(const Tensor& t) {
     return d;
 }
 
-// One launcher per exported configuration; its module is loaded on first use.
+// One launcher per exported kernel: its module is loaded on first use, its tensors described.
+#define COSA_MODULE(P)                                  \
+    static P##_Kernel_Module_t module = [] {            \
+        P##_Kernel_Module_t m;                          \
+        P##_Kernel_Module_Load(&m);                     \
+        return m;                                       \
+    }()
+#define COSA_TENSOR(P, NAME, FIELD) auto FIELD = descriptor<P##_Tensor_##NAME##_t>(a.FIELD)
+
 #define COSA_OSK_LAUNCHER(P)                                                                   \
-    int32_t P##_launch(const Launch& a, cudaStream_t stream) {                                 \
-        static P##_Kernel_Module_t module = [] {                                               \
-            P##_Kernel_Module_t m;                                                             \
-            P##_Kernel_Module_Load(&m);                                                        \
-            return m;                                                                          \
-        }();                                                                                   \
-        auto q = descriptor<P##_Tensor_mQ_t>(a.q);                                             \
-        auto k = descriptor<P##_Tensor_mK_t>(a.k);                                             \
-        auto v = descriptor<P##_Tensor_mV_t>(a.v);                                             \
-        auto o = descriptor<P##_Tensor_mO_t>(a.o);                                             \
-        auto lse = descriptor<P##_Tensor_mLSE_t>(a.lse);                                       \
-        auto block_pages = descriptor<P##_Tensor_mBlockPages_t>(a.block_pages);                \
-        auto kv_block_indptr = descriptor<P##_Tensor_mKvBlockIndptr_t>(a.kv_block_indptr);     \
-        auto qo_lens = descriptor<P##_Tensor_mQoLens_t>(a.qo_lens);                            \
-        auto kv_lens = descriptor<P##_Tensor_mKvLens_t>(a.kv_lens);                            \
-        auto qtiles = descriptor<P##_Tensor_mQtiles_t>(a.qtiles);                              \
-        auto tile_order = descriptor<P##_Tensor_mTileOrder_t>(a.tile_order);                   \
-        auto order = descriptor<P##_Tensor_mOrder_t>(a.order);                                 \
-        auto computed = descriptor<P##_Tensor_mComputed_t>(a.computed);                        \
-        auto skipped = descriptor<P##_Tensor_mSkipped_t>(a.skipped);                           \
+    int32_t P##_launch(const OskArgs& a, cudaStream_t stream) {                                \
+        COSA_MODULE(P);                                                                        \
+        COSA_TENSOR(P, mQ, q);                                                                 \
+        COSA_TENSOR(P, mK, k);                                                                 \
+        COSA_TENSOR(P, mV, v);                                                                 \
+        COSA_TENSOR(P, mO, o);                                                                 \
+        COSA_TENSOR(P, mLSE, lse);                                                             \
+        COSA_TENSOR(P, mBlockPages, block_pages);                                              \
+        COSA_TENSOR(P, mKvBlockIndptr, kv_block_indptr);                                       \
+        COSA_TENSOR(P, mQoLens, qo_lens);                                                      \
+        COSA_TENSOR(P, mKvLens, kv_lens);                                                      \
+        COSA_TENSOR(P, mQtiles, qtiles);                                                       \
+        COSA_TENSOR(P, mTileOrder, tile_order);                                                \
+        COSA_TENSOR(P, mOrder, order);                                                         \
+        COSA_TENSOR(P, mComputed, computed);                                                   \
+        COSA_TENSOR(P, mSkipped, skipped);                                                     \
         return cute_dsl_##P##_wrapper(&module, &q, &k, &v, &o, &lse, &block_pages,             \
                                       &kv_block_indptr, &qo_lens, &kv_lens, &qtiles,           \
                                       &tile_order, &order, &computed, &skipped, a.sm_scale,    \
@@ -146,15 +174,62 @@ T descriptor(const Tensor& t) {
                                       a.num_tiles, stream);                                    \
     }
 
+#define COSA_KAP_POOL_LAUNCHER(P)                                                              \
+    int32_t P##_launch(const PoolArgs& a, cudaStream_t stream) {                               \
+        COSA_MODULE(P);                                                                        \
+        COSA_TENSOR(P, mK, k);                                                                 \
+        COSA_TENSOR(P, mBlockPages, block_pages);                                              \
+        COSA_TENSOR(P, mKvBlockIndptr, kv_block_indptr);                                       \
+        COSA_TENSOR(P, mKvLens, kv_lens);                                                      \
+        COSA_TENSOR(P, mKbar, kbar);                                                           \
+        return cute_dsl_##P##_wrapper(&module, &k, &block_pages, &kv_block_indptr, &kv_lens,   \
+                                      &kbar, a.page_shift, stream);                            \
+    }
+
+#define COSA_KAP_RANK_LAUNCHER(P)                                                              \
+    int32_t P##_launch(const RankArgs& a, cudaStream_t stream) {                               \
+        COSA_MODULE(P);                                                                        \
+        COSA_TENSOR(P, mQ, q);                                                                 \
+        COSA_TENSOR(P, mQbar, qbar);                                                           \
+        COSA_TENSOR(P, mKbar, kbar);                                                           \
+        COSA_TENSOR(P, mRankBase, rank_base);                                                  \
+        COSA_TENSOR(P, mQtiles, qtiles);                                                       \
+        COSA_TENSOR(P, mKvBlockIndptr, kv_block_indptr);                                       \
+        COSA_TENSOR(P, mOrder, order);                                                         \
+        return cute_dsl_##P##_wrapper(&module, &q, &qbar, &kbar, &rank_base, &qtiles,          \
+                                      &kv_block_indptr, &order, stream);                       \
+    }
+
 COSA_OSK_LAUNCHER(cosa_osk_bf16_d64)
 COSA_OSK_LAUNCHER(cosa_osk_bf16_d128)
 COSA_OSK_LAUNCHER(cosa_osk_fp16_d64)
 COSA_OSK_LAUNCHER(cosa_osk_fp16_d128)
+COSA_KAP_POOL_LAUNCHER(cosa_kap_pool_bf16_d64)
+COSA_KAP_POOL_LAUNCHER(cosa_kap_pool_bf16_d128)
+COSA_KAP_POOL_LAUNCHER(cosa_kap_pool_fp16_d64)
+COSA_KAP_POOL_LAUNCHER(cosa_kap_pool_fp16_d128)
+COSA_KAP_RANK_LAUNCHER(cosa_kap_rank_bf16_d64)
+COSA_KAP_RANK_LAUNCHER(cosa_kap_rank_bf16_d128)
+COSA_KAP_RANK_LAUNCHER(cosa_kap_rank_fp16_d64)
+COSA_KAP_RANK_LAUNCHER(cosa_kap_rank_fp16_d128)
 
-int32_t launch(cosa_dtype dtype, int32_t head_dim, const Launch& a, cudaStream_t stream) {
-    const bool bf16 = dtype == COSA_DTYPE_BFLOAT16;
-    if (head_dim == 64) return bf16 ? cosa_osk_bf16_d64_launch(a, stream) : cosa_osk_fp16_d64_launch(a, stream);
-    return bf16 ? cosa_osk_bf16_d128_launch(a, stream) : cosa_osk_fp16_d128_launch(a, stream);
+template <class Args>
+using Launcher = int32_t (*)(const Args&, cudaStream_t);
+
+// A kernel's launchers, one per configuration: bf16 d64, bf16 d128, fp16 d64, fp16 d128.
+#define COSA_CONFIGS(KERNEL)                                                                   \
+    {cosa_##KERNEL##_bf16_d64_launch, cosa_##KERNEL##_bf16_d128_launch,                        \
+     cosa_##KERNEL##_fp16_d64_launch, cosa_##KERNEL##_fp16_d128_launch}
+const Launcher<OskArgs> kOsk[4] = COSA_CONFIGS(osk);
+const Launcher<PoolArgs> kPool[4] = COSA_CONFIGS(kap_pool);
+const Launcher<RankArgs> kRank[4] = COSA_CONFIGS(kap_rank);
+
+template <class Args>
+void launch(const Launcher<Args> (&configs)[4], const cosa_plan& plan, const Args& args,
+            cudaStream_t stream, const char* what) {
+    const int config = (plan.dtype == COSA_DTYPE_BFLOAT16 ? 0 : 2) + (plan.head_dim == 64 ? 0 : 1);
+    const int32_t ret = configs[config](args, stream);
+    if (ret != 0) throw cosa::CudaError(std::string(what) + " launch failed with code " + std::to_string(ret));
 }
 
 }  // namespace
@@ -192,8 +267,13 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->sm_scale = args->sm_scale;
         plan->delta = args->delta;
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
+        plan->ranks = host.max_request_blocks() <= kKapMaxKeyBlocks;
+        const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(host.rank_base.size());
         int64_t at = 0;
-        auto carve = [&](int64_t& offset, int64_t words) { offset = at; at += words; };
+        auto carve = [&](int64_t& offset, int64_t words) {
+            offset = at;
+            at += (words + 63) / 64 * 64;  // 256 bytes: aligned for 16-byte vectors and int64
+        };
         carve(plan->qo_lens, static_cast<int64_t>(host.qo_lens.size()));
         carve(plan->kv_lens, static_cast<int64_t>(host.kv_lens.size()));
         carve(plan->kv_block_indptr, static_cast<int64_t>(host.kv_block_indptr.size()));
@@ -203,12 +283,18 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         carve(plan->lse, plan->total_q * host.num_qo_heads);  // float, 4 bytes like int32
         carve(plan->computed, host.num_tiles());
         carve(plan->skipped, host.num_tiles());
+        if (plan->ranks) {
+            carve(plan->rank_base, 2 * num_rank_keys);  // int64
+            carve(plan->qbar, num_qtiles * host.num_qo_heads * plan->head_dim);
+            carve(plan->kbar, host.num_kv_blocks() * plan->num_kv_heads * plan->head_dim);
+            carve(plan->order, host.order_size());
+        }
         cosa::check_cuda(cudaGetDevice(&plan->device), "cudaGetDevice");
         cosa::check_cuda(cudaMalloc(reinterpret_cast<void**>(&plan->words),
                                     static_cast<std::size_t>(std::max<int64_t>(at, 1)) * sizeof(int32_t)),
                          "cudaMalloc");
-        auto upload = [&](int64_t offset, const std::vector<int32_t>& table) {
-            cosa::check_cuda(cudaMemcpy(plan->words + offset, table.data(), table.size() * sizeof(int32_t),
+        auto upload = [&](int64_t offset, const auto& table) {
+            cosa::check_cuda(cudaMemcpy(plan->words + offset, table.data(), table.size() * sizeof(table[0]),
                                         cudaMemcpyHostToDevice),
                              "cudaMemcpy");
         };
@@ -218,6 +304,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         upload(plan->block_pages, host.block_pages);
         upload(plan->qtiles, host.qtiles);
         upload(plan->tile_order, host.tile_order);
+        if (plan->ranks) upload(plan->rank_base, host.rank_base);
         plan->remap.plan = std::move(host);
         *out = plan.release();
 #else
@@ -240,7 +327,10 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         check_operand(args->o, args->o_strides, 2, "o");
         const cosa::Plan& p = plan->remap.plan;
         if (p.num_tiles() == 0) return;  // no query rows: nothing to write
-        require(args->order, "order");
+        if (args->order == nullptr && !plan->ranks)
+            invalid("order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
+                    " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +
+                    " that cosa_run's proxy ranks");
 #ifdef COSA_AOT_KERNELS
         int device = 0;
         cosa::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -248,36 +338,55 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
             invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
                     std::to_string(device));
         const int32_t hq = p.num_qo_heads, d = plan->head_dim, page_size = plan->page_size,
-                      hkv = plan->num_kv_heads, nq = static_cast<int32_t>(p.num_qtiles());
+                      hkv = plan->num_kv_heads, nq = static_cast<int32_t>(p.num_qtiles()),
+                      num_kv_blocks = static_cast<int32_t>(p.num_kv_blocks()),
+                      batch = static_cast<int32_t>(p.batch_size());
         const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(plan->num_pages);
+        const auto page_shift = static_cast<int32_t>(std::log2(page_size));
+        const auto cuda_stream = static_cast<cudaStream_t>(stream);
         int32_t* w = plan->words;
-        Launch l{};
-        l.q = {const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
-        l.k = {const_cast<void*>(args->k_cache), {pages, page_size, hkv, d},
-               {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
-        l.v = {const_cast<void*>(args->v_cache), {pages, page_size, hkv, d},
+        const Tensor q{const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
+        const Tensor k{const_cast<void*>(args->k_cache), {pages, page_size, hkv, d},
+                       {args->k_strides[0], args->k_strides[1], args->k_strides[2]}};
+        const Tensor block_pages{w + plan->block_pages, {num_kv_blocks, p.pages_per_block}, {p.pages_per_block}};
+        const Tensor kv_block_indptr{w + plan->kv_block_indptr, {batch + 1}, {}};
+        const Tensor kv_lens{w + plan->kv_lens, {batch}, {}};
+        const Tensor qtiles{w + plan->qtiles, {nq, COSA_QT_COLUMNS}, {COSA_QT_COLUMNS}};
+        const Tensor order{args->order != nullptr ? const_cast<int32_t*>(args->order) : w + plan->order,
+                           {nq, hq, p.k_max}, {static_cast<int64_t>(hq) * p.k_max, p.k_max}};
+        if (args->order == nullptr) {  // stage 1: KAP's order mask into the plan's scratch
+            const Tensor kbar{w + plan->kbar, {num_kv_blocks, hkv, d}, {static_cast<int64_t>(hkv) * d, d}};
+            launch(kPool, *plan, PoolArgs{k, block_pages, kv_block_indptr, kv_lens, kbar, page_shift}, cuda_stream,
+                   "KAP pool kernel");
+            const auto width = static_cast<int32_t>(p.max_request_blocks());
+            launch(kRank, *plan,
+                   RankArgs{q, {w + plan->qbar, {nq, hq, d}, {static_cast<int64_t>(hq) * d, d}}, kbar,
+                            {w + plan->rank_base, {nq, width}, {width}}, qtiles, kv_block_indptr, order},
+                   cuda_stream, "KAP rank kernel");
+        }
+        OskArgs a{};
+        a.q = q;
+        a.k = k;
+        a.v = {const_cast<void*>(args->v_cache), {pages, page_size, hkv, d},
                {args->v_strides[0], args->v_strides[1], args->v_strides[2]}};
-        l.o = {args->o, {total_q, hq, d}, {args->o_strides[0], args->o_strides[1]}};
-        l.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
-        l.block_pages = {w + plan->block_pages, {static_cast<int32_t>(p.num_kv_blocks()), p.pages_per_block},
-                         {p.pages_per_block}};
-        l.kv_block_indptr = {w + plan->kv_block_indptr, {static_cast<int32_t>(p.batch_size()) + 1}, {}};
-        l.qo_lens = {w + plan->qo_lens, {static_cast<int32_t>(p.batch_size())}, {}};
-        l.kv_lens = {w + plan->kv_lens, {static_cast<int32_t>(p.batch_size())}, {}};
-        l.qtiles = {w + plan->qtiles, {nq, COSA_QT_COLUMNS}, {COSA_QT_COLUMNS}};
-        l.tile_order = {w + plan->tile_order, {static_cast<int32_t>(p.num_tiles()), 2}, {2}};
-        l.order = {const_cast<int32_t*>(args->order), {nq, hq, p.k_max},
-                   {static_cast<int64_t>(hq) * p.k_max, p.k_max}};
-        l.computed = {args->computed != nullptr ? args->computed : w + plan->computed, {nq, hq}, {hq}};
-        l.skipped = {args->skipped != nullptr ? args->skipped : w + plan->skipped, {nq, hq}, {hq}};
-        l.sm_scale = static_cast<float>(plan->sm_scale);
-        l.log_delta = plan->delta > 0 ? static_cast<float>(std::log(plan->delta)) : -std::numeric_limits<float>::infinity();
-        l.page_shift = static_cast<int32_t>(std::log2(page_size));
-        l.group = hq / hkv;
-        l.causal = plan->causal ? 1 : 0;
-        l.num_tiles = static_cast<int32_t>(p.num_tiles());
-        const int32_t ret = launch(plan->dtype, d, l, static_cast<cudaStream_t>(stream));
-        if (ret != 0) throw cosa::CudaError("OSK kernel launch failed with code " + std::to_string(ret));
+        a.o = {args->o, {total_q, hq, d}, {args->o_strides[0], args->o_strides[1]}};
+        a.lse = {args->lse != nullptr ? static_cast<void*>(args->lse) : w + plan->lse, {total_q, hq}, {hq}};
+        a.block_pages = block_pages;
+        a.kv_block_indptr = kv_block_indptr;
+        a.qo_lens = {w + plan->qo_lens, {batch}, {}};
+        a.kv_lens = kv_lens;
+        a.qtiles = qtiles;
+        a.tile_order = {w + plan->tile_order, {static_cast<int32_t>(p.num_tiles()), 2}, {2}};
+        a.order = order;
+        a.computed = {args->computed != nullptr ? args->computed : w + plan->computed, {nq, hq}, {hq}};
+        a.skipped = {args->skipped != nullptr ? args->skipped : w + plan->skipped, {nq, hq}, {hq}};
+        a.sm_scale = static_cast<float>(plan->sm_scale);
+        a.log_delta = plan->delta > 0 ? static_cast<float>(std::log(plan->delta)) : -std::numeric_limits<float>::infinity();
+        a.page_shift = page_shift;
+        a.group = hq / hkv;
+        a.causal = plan->causal ? 1 : 0;
+        a.num_tiles = static_cast<int32_t>(p.num_tiles());
+        launch(kOsk, *plan, a, cuda_stream, "OSK kernel");
 #else
         (void)stream;
         throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");

@@ -1,20 +1,21 @@
-"""The OSK kernels ahead of time: exported when libcosa is built, loaded by ``osk_forward``.
+"""The kernels ahead of time: exported when libcosa is built, loaded by the launchers.
 
 Export, run by the build when COSA_AOT_KERNELS is on (from the source root)::
 
     python -m cute_kernels.aot OUT_DIR
 
-writes, for every configuration of ``osk.CONFIGS``, ``OUT_DIR/<prefix>.h`` (the DSL's C
-header: argument structs, the module load and the launch wrapper) and ``OUT_DIR/<prefix>.o``
-(position-independent host code with the cubin embedded), ``prefix`` from ``aot_prefix``.
-The objects are linked into libcosa.  It needs the CuTe DSL only: no GPU and no torch.
+writes, for every kernel of ``KERNELS`` in every configuration of ``osk.CONFIGS``,
+``OUT_DIR/<prefix>.h`` (the DSL's C header: argument structs, the module load and the launch
+wrapper) and ``OUT_DIR/<prefix>.o`` (position-independent host code with the cubin
+embedded), ``prefix`` from ``aot_prefix``.  The objects are linked into libcosa.  It needs
+the CuTe DSL only: no GPU and no torch.
 
-Load: when the installed libcosa carries the kernels, ``osk_forward`` launches them
-instead of compiling on first use: the DSL's ``cute.runtime.load_module`` turns libcosa's
-exported symbols into the callable ``compile_config(..., use_tvm_ffi=False)`` would return,
-so the C API and Python run the very same binary.  Otherwise (a default build, a source
-tree, ``COSA_DISABLE_AOT=1``) the kernel is compiled as before.  ``kernel_source`` says
-which, and why.
+Load: when the installed libcosa carries the kernels, ``osk_forward`` and ``kap.kap_order``
+launch them instead of compiling on first use: the DSL's ``cute.runtime.load_module`` turns
+libcosa's exported symbols into the callables ``compile_config(..., use_tvm_ffi=False)``
+would return, so the C API and Python run the very same binaries.  Otherwise (a default
+build, a source tree, ``COSA_DISABLE_AOT=1``) the kernels are compiled as before.
+``kernel_source`` says which, and why.
 """
 
 from __future__ import annotations
@@ -33,23 +34,26 @@ LIBCOSA = Path(__file__).resolve().parents[1] / "lib" / "libcosa.so"
 DISABLE_AOT = "COSA_DISABLE_AOT"  # set (not "0"): always compile, even when libcosa has the kernels
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+# What is exported in every configuration: OSK, and KAP's two kernels (kap.compile_config's pair)
+KERNELS = ("osk", "kap_pool", "kap_rank")
+Kernel = Literal["osk", "kap_pool", "kap_rank"]
 
 
-def aot_prefix(dtype_name: str, head_dim: int) -> str:
-    """Symbol prefix of one exported configuration (csrc/attention.cpp spells the same names)."""
-    return f"cosa_osk_{_SHORT[dtype_name]}_d{head_dim}"
+def aot_prefix(kernel: Kernel, dtype_name: str, head_dim: int) -> str:
+    """Symbol prefix of one exported kernel (csrc/attention.cpp spells the same names)."""
+    return f"cosa_{kernel}_{_SHORT[dtype_name]}_d{head_dim}"
 
 
 class KernelSource(NamedTuple):
-    """Where ``osk_forward`` takes one configuration's kernel from."""
+    """Where a launcher takes one kernel of one configuration from."""
 
     kind: Literal["aot", "jit"]  # loaded from libcosa, or compiled on first use
     detail: str                  # the library it is loaded from, or why it is compiled instead
 
 
-def load_kernel(dtype_name: str, head_dim: int,
+def load_kernel(kernel: Kernel, dtype_name: str, head_dim: int,
                 library: Path | None = None) -> tuple[Callable | None, KernelSource]:
-    """libcosa's exported kernel for the configuration (None: compile it) and its source.
+    """libcosa's exported ``kernel`` for the configuration (None: compile it) and its source.
 
     The kernel takes the plain C ABI's arguments (cute tensors and a CUstream, no TVM-FFI).
     ``library`` defaults to the installed package's libcosa.
@@ -57,30 +61,31 @@ def load_kernel(dtype_name: str, head_dim: int,
     switch = os.environ.get(DISABLE_AOT, "")
     if switch not in ("", "0"):  # read on every call, so a test can flip it
         return None, KernelSource("jit", f"{DISABLE_AOT}={switch}")
-    return _load(dtype_name, head_dim, LIBCOSA if library is None else library)
+    return _load(kernel, dtype_name, head_dim, LIBCOSA if library is None else library)
 
 
-def kernel_source(dtype_name: str, head_dim: int) -> KernelSource:
-    """Whether ``osk_forward`` loads the configuration's kernel from libcosa or compiles it."""
-    return load_kernel(dtype_name, head_dim)[1]
+def kernel_source(kernel: Kernel, dtype_name: str, head_dim: int) -> KernelSource:
+    """Whether the launcher loads ``kernel`` of the configuration from libcosa or compiles it."""
+    return load_kernel(kernel, dtype_name, head_dim)[1]
 
 
 @functools.cache
-def _load(dtype_name: str, head_dim: int, library: Path) -> tuple[Callable | None, KernelSource]:
+def _load(kernel: Kernel, dtype_name: str, head_dim: int,
+          library: Path) -> tuple[Callable | None, KernelSource]:
     if not library.is_file():
         return None, KernelSource("jit", f"no libcosa at {library}")
     has_kernels = ctypes.CDLL(str(library)).cosa_has_kernels
     has_kernels.restype = ctypes.c_bool
     if not has_kernels():
         return None, KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")
-    prefix = aot_prefix(dtype_name, head_dim)
+    prefix = aot_prefix(kernel, dtype_name, head_dim)
     try:
-        kernel = getattr(_module(library), prefix)
+        loaded = getattr(_module(library), prefix)
     except ImportError as error:
         return None, KernelSource("jit", f"loading {prefix} needs the CuTe DSL (cosa[gpu]): {error}")
     except Exception as error:  # a DSL that cannot read this export: compile instead
         return None, KernelSource("jit", f"cannot load {prefix} from {library}: {error}")
-    return kernel, KernelSource("aot", str(library))
+    return loaded, KernelSource("aot", str(library))
 
 
 @functools.cache
@@ -92,16 +97,20 @@ def _module(library: Path):
 
 
 def main(out_dir: str) -> None:
-    from . import osk  # here: osk imports this module, and kernel_source works without the DSL
+    from . import kap, osk  # here: osk imports this module, and kernel_source works without the DSL
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for dtype_name, head_dim in osk.CONFIGS:
         start = time.perf_counter()
-        prefix = aot_prefix(dtype_name, head_dim)
         # The plain C ABI (no TVM-FFI): what a C caller and cute.runtime.load_module use.
-        osk.compile_config(dtype_name, head_dim, use_tvm_ffi=False).export_to_c(str(out), prefix, prefix)
-        print(f"{prefix}: {time.perf_counter() - start:.1f} s")
+        pool, rank = kap.compile_config(dtype_name, head_dim, use_tvm_ffi=False)
+        compiled = {"osk": osk.compile_config(dtype_name, head_dim, use_tvm_ffi=False),
+                    "kap_pool": pool, "kap_rank": rank}
+        for kernel in KERNELS:
+            prefix = aot_prefix(kernel, dtype_name, head_dim)
+            compiled[kernel].export_to_c(str(out), prefix, prefix)
+        print(f"{dtype_name} d{head_dim}: {', '.join(KERNELS)} in {time.perf_counter() - start:.1f} s")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ qbar, kbar, order, *, kv_layout="NHD") -> None``
     (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks, Hkv, D]
     float32, which the caller provides); no host sync, no allocation, so CUDA-graph
     capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
-    ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).
+    ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).  Imports no
+    torch until called, so that ``aot.py`` exports the kernels without it.
 
 Kernels
 -------
@@ -39,7 +40,7 @@ plan until this grid has completed):
   may still be running;
 - scores: 8 lanes per key block j < n (n = the tile's candidates) each dot a slice of
   ``qbar[h]`` with ``kbar[j]`` and reduce by shuffles; the score becomes the ranking
-  key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << BLOCK_BITS``, in
+  key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << RANK_BLOCK_BITS``, in
   shared memory (one definition of the order: the priorities come from the plan's
   ``rank_base``, the code is ``order._score_code`` for float32);
 - a bitonic sort, descending, of each head's keys padded with INT64_MIN to
@@ -60,7 +61,8 @@ an SM and an 8K-token batch of tiles is resident at once), so a request may have
 longer requests.
 
 Compile-time specialisation: both kernels per (dtype, head_dim); everything else is
-runtime.  Compiled from fake tensors on first use and cached in-process, like OSK.
+runtime.  Like OSK's, loaded from libcosa when it carries them (``aot.py``), else compiled
+from fake tensors on first use and cached in-process.
 """
 
 from __future__ import annotations
@@ -68,14 +70,14 @@ from __future__ import annotations
 import threading
 
 import cuda.bindings.driver as cuda
-import torch
 
-from .. import _C
-from ..proxy.order import BLOCK_BITS
 # osk first: it sets the DSL's target architecture before the DSL is imported
 from .osk import (CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _paged_operands,
                   _row_offset, _to_cute)
 from .osk import supported as _osk_supported
+from .aot import load_kernel
+from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
+                          QT_ROWS, RANK_BLOCK_BITS)
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -84,7 +86,6 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 
 __all__ = ["supported", "kap_order", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
 
-BLOCK = _C.BLOCK_SIZE
 MAX_KEY_BLOCKS = 4096          # int64 key slots in KAPRank's shared memory
 POOL_THREADS = 128
 VEC = 8                        # fp16/bf16 elements per 16-byte load
@@ -111,7 +112,7 @@ class BlockMean:
         self.head_dim = head_dim
         self.row_threads = head_dim // VEC            # threads covering one row
         self.row_step = threads // self.row_threads   # rows one sweep of the CTA covers
-        self.sweeps = BLOCK // self.row_step
+        self.sweeps = BLOCK_SIZE // self.row_step
 
     def partial_layout(self):
         return cute.make_layout((self.head_dim, self.row_step))
@@ -175,8 +176,8 @@ class KAPPool:
         smem = cutlass.memory.SmemAllocator()
         partial = smem.allocate_tensor(Float32, self.mean.partial_layout(), byte_alignment=16)
         request = self._request_of(mKvBlockIndptr, mKvLens.shape[0], block)
-        first_key = (block - mKvBlockIndptr[request]) * BLOCK
-        num_rows = cutlass.min(BLOCK, mKvLens[request] - first_key)
+        first_key = (block - mKvBlockIndptr[request]) * BLOCK_SIZE
+        num_rows = cutlass.min(BLOCK_SIZE, mKvLens[request] - first_key)
         page_mask = (Int32(1) << page_shift) - 1
         rows = self.mean.rows(tidx, num_rows)
         row_offset = cute.make_rmem_tensor((self.mean.sweeps,), Int64)
@@ -238,9 +239,9 @@ class KAPRank:
         bid_x, kv_head, _ = cute.arch.block_idx()
         # a request's later tiles see more key blocks: launch them first
         tile = mQtiles.shape[0] - 1 - bid_x
-        num_candidates = mQtiles[tile, _C.QT_NUM_CANDIDATES]
-        num_selected = mQtiles[tile, _C.QT_NUM_SELECTED]
-        first_block = mKvBlockIndptr[mQtiles[tile, _C.QT_REQUEST]]
+        num_candidates = mQtiles[tile, QT_NUM_CANDIDATES]
+        num_selected = mQtiles[tile, QT_NUM_SELECTED]
+        first_block = mKvBlockIndptr[mQtiles[tile, QT_REQUEST]]
         group = mQbar.shape[1] // mKbar.shape[1]
         k_max = mOrder.shape[2]
 
@@ -257,8 +258,8 @@ class KAPRank:
 
         # q's means first: they do not depend on KAPPool, whose last CTAs may still run.  Those
         # of the first pass's heads go straight to shared memory as well.
-        row_start = mQtiles[tile, _C.QT_ROW_START]
-        num_rows = mQtiles[tile, _C.QT_ROWS]
+        row_start = mQtiles[tile, QT_ROW_START]
+        num_rows = mQtiles[tile, QT_ROWS]
         rows = self.mean.rows(tidx, num_rows)
         row_offset = cute.make_rmem_tensor((self.mean.sweeps,), Int64)
         for h in cutlass.range(group, unroll=1):
@@ -294,7 +295,7 @@ class KAPRank:
                 for s in cutlass.range(tidx, k_max, RANK_THREADS, unroll=1):
                     block = Int32(-1)
                     if s < num_selected:
-                        block = Int32(keys[_slot(h * width + s)] & ((1 << BLOCK_BITS) - 1))
+                        block = Int32(keys[_slot(h * width + s)] & ((1 << RANK_BLOCK_BITS) - 1))
                     mOrder[tile, first_head + h, s] = block
 
     @cute.jit
@@ -329,7 +330,7 @@ class KAPRank:
                 for offset in (4, 2, 1):
                     score = score + cute.arch.shuffle_sync_bfly(score, offset=offset)
                 if valid and lane == 0:
-                    keys[_slot(h * width + j)] = base + (Int64(_score_code(score)) << BLOCK_BITS)
+                    keys[_slot(h * width + j)] = base + (Int64(_score_code(score)) << RANK_BLOCK_BITS)
 
     @cute.jit
     def _sort(self, keys, size, log_width):
@@ -433,6 +434,8 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
               order, *, kv_layout: str = "NHD") -> None:
     """Launch the two KAP kernels (see the module docstring for the contract)."""
+    import torch
+
     if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
         return
     D = q.shape[-1]
@@ -440,13 +443,24 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
         raise ValueError(f"kap_order: no kernel for head_dim={D}, dtype={q.dtype}, "
                          f"{rank_base.shape[1]} key blocks (at most {MAX_KEY_BLOCKS})")
     (k,), page_shift = _paged_operands("kap_order", q, {"k_cache": k_cache}, kv_layout, {})
-    pool, rank = compile_config(_dtype_name(q.dtype), D)
+    pool, rank, source = _kernels(_dtype_name(q.dtype), D)
     pool_args = (k, block_pages, kv_block_indptr, kv_lens, kbar)
     rank_args = (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
-    if _HAVE_TVM_FFI:
+    if _HAVE_TVM_FFI and source.kind == "jit":  # the exported kernels take the plain C ABI
         pool(*pool_args, page_shift)
         rank(*rank_args)
     else:
         stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         pool(*(_to_cute(t) for t in pool_args), page_shift, stream)
         rank(*(_to_cute(t) for t in rank_args), stream)
+
+
+def _kernels(dtype_name: str, head_dim: int):
+    """``(pool, rank, source)``: both kernels exported ahead of time into libcosa, if it
+    carries them, or else both compiled."""
+    loaded = [load_kernel(kernel, dtype_name, head_dim) for kernel in ("kap_pool", "kap_rank")]
+    for kernel, source in loaded:
+        if kernel is None:
+            return (*compile_config(dtype_name, head_dim), source)
+    (pool, source), (rank, _) = loaded
+    return pool, rank, source

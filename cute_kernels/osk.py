@@ -128,6 +128,7 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from .aot import load_kernel  # noqa: E402
+from .plan_layout import QT_INDEX, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START, QT_ROWS  # noqa: E402
 
 __all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
 
@@ -147,10 +148,6 @@ LOG2_E = 1.4426950408889634
 # takes no block max, keeps a block while each thread's row sum over it stays at most this, and
 # otherwise redoes its softmax exactly; the stage-2 loop knows the block max and tests it.
 STALE_SUM_MAX = 256.0
-# The plan's qtile columns (cosa.h's COSA_QT_*), spelled out here because the ahead-of-time export
-# imports this module before cosa._C is built; tests/test_kernel_compile.py compares them
-QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS = 0, 1, 2, 3
-QT_NUM_SELECTED = 7
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
@@ -1292,7 +1289,7 @@ def osk_forward(
     if order.shape[-1] == 0 or block_pages.shape[0] == 0:
         raise ValueError(f"osk_forward: {num_tiles} tiles but order has k_max={order.shape[-1]} and "
                          f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
-    fn, source = load_kernel(name, D)  # exported ahead of time into libcosa, if it carries them
+    fn, source = load_kernel("osk", name, D)  # exported ahead of time into libcosa, if it carries them
     if fn is None:
         fn = compile_config(name, D)
     scalars = (float(sm_scale), float(log_delta), page_shift, int(group), 1 if causal else 0, int(num_tiles))

@@ -1,10 +1,12 @@
-"""The ahead-of-time kernels (COSA_AOT_KERNELS): the wheel built with the exported OSK
-kernels, installed without a compiler, examples/cpp configured against the install with
+"""The ahead-of-time kernels (COSA_AOT_KERNELS): the wheel built with the exported KAP and
+OSK kernels, installed without a compiler, examples/cpp configured against the install with
 find_package(cosa) and linked, and the installed Python package loading libcosa's kernels
 instead of compiling them.  The loader's fallback to the JIT is checked without any build.
-On a GPU: the example's output equals Python's run on the same inputs, and run's output
-with the loaded kernel equals its output with the JIT-compiled one."""
+The attention C API's argument checks, through ctypes.  On a GPU: the example's output
+equals Python's run on the same inputs, and run's output with the loaded kernels equals
+its output with the JIT-compiled ones."""
 
+import ctypes
 import importlib.util
 import os
 import shutil
@@ -17,8 +19,7 @@ import pytest
 import torch
 
 import cosa
-from cosa import _C
-from cosa.cute_kernels import aot
+from cosa.cute_kernels import aot, kap
 from cosa.cute_kernels.aot import KernelSource
 from cosa.cute_kernels.osk import CONFIGS
 
@@ -79,34 +80,35 @@ def test_example_links_against_installed_wheel(site, example):
     assert example.is_file()
     # The kernels are inside libcosa; its only CUDA dependency left is the driver.
     symbols = _run("nm", "-D", "--defined-only", _libcosa(site))
-    for config in CONFIGS:
-        assert f"{aot.aot_prefix(*config)}_args_spec" in symbols
+    for kernel in aot.KERNELS:
+        for config in CONFIGS:
+            assert f"{aot.aot_prefix(kernel, *config)}_args_spec" in symbols
     assert "libcudart" not in _run("ldd", _libcosa(site))
 
 
 def test_installed_wheel_loads_its_kernels(site):
     # A fresh process that imports the installed wheel's cosa: no GPU needed to load.
     script = ("from cosa.cute_kernels import aot; "
-              f"print([tuple(aot.kernel_source(*config)) for config in {CONFIGS!r}])")
+              f"print([tuple(aot.kernel_source(kernel, *config)) for kernel in aot.KERNELS for config in {CONFIGS!r}])")
     env = {name: value for name, value in os.environ.items() if name != aot.DISABLE_AOT}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
     sources = _run(sys.executable, "-c", script, env=env)
-    assert sources.strip() == repr([("aot", str(_libcosa(site)))] * len(CONFIGS))
+    assert sources.strip() == repr([("aot", str(_libcosa(site)))] * len(aot.KERNELS) * len(CONFIGS))
 
 
 def test_loader_compiles_without_a_libcosa_or_when_disabled(tmp_path, monkeypatch):
     monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
     missing = tmp_path / "libcosa.so"
-    assert aot.load_kernel("bfloat16", 128, library=missing) == \
+    assert aot.load_kernel("osk", "bfloat16", 128, library=missing) == \
         (None, KernelSource("jit", f"no libcosa at {missing}"))
     monkeypatch.setenv(aot.DISABLE_AOT, "1")  # wins over any libcosa
-    assert aot.kernel_source("bfloat16", 128) == KernelSource("jit", f"{aot.DISABLE_AOT}=1")
+    assert aot.kernel_source("kap_rank", "bfloat16", 128) == KernelSource("jit", f"{aot.DISABLE_AOT}=1")
 
 
 def test_loader_reports_a_libcosa_built_without_kernels(monkeypatch):
     monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
     library = Path(cosa.cmake_prefix_path()) / "lib" / "libcosa.so"
-    kernel, source = aot.load_kernel("float16", 64, library=library)
+    kernel, source = aot.load_kernel("kap_pool", "float16", 64, library=library)
     if source.kind == "aot":
         pytest.skip("the installed cosa was built with the kernels")
     assert kernel is None
@@ -144,16 +146,6 @@ def _inputs():
                                                                     head_dim=d, page_size=page_size)
 
 
-def _example_order(plan) -> torch.Tensor:
-    """The example's visiting order: local blocks ascending, the sink block 0, the rest descending."""
-    order = torch.full(tuple(plan.order.shape), -1, dtype=torch.int32)
-    for tile, row in enumerate(plan.qtiles.tolist()):
-        first, last = row[_C.QT_LOCAL_FIRST], row[_C.QT_LOCAL_LAST]
-        visit = [*range(first, last + 1), *([0] if first > 0 else []), *range(first - 1, 0, -1)]
-        order[tile, :, :len(visit)] = torch.tensor(visit, dtype=torch.int32)
-    return order.to(plan.order.device)
-
-
 @pytest.fixture
 def gpu_with_wheel_kernels(site, monkeypatch):
     """osk_forward loads its kernels from the wheel's libcosa (the example's library)."""
@@ -162,16 +154,19 @@ def gpu_with_wheel_kernels(site, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, monkeypatch):
+@pytest.mark.parametrize("budget,delta", [(1.0, 0.0), (0.3, 0.05)])
+def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, budget, delta):
+    # Both stages in both: KAP's order mask, then OSK, from the same libcosa on the same
+    # inputs, so the same bits (the example checks budget 1 against dense attention itself).
     out = tmp_path / "o.f32"
-    assert "all checks passed" in _run(example, out)
+    printed = _run(example, out, str(budget), str(delta))
+    assert "all checks passed" in printed if budget == 1.0 else "o written" in printed
     q, cache, table, shapes = _inputs()
-    plan = cosa.plan(*(t.cuda() for t in table), **shapes, causal=True, budget=1.0, delta=0.0)
-    # run with the example's visiting order in place of the proxy's: the same kernel on the
-    # same inputs, so the same bits.
-    monkeypatch.setattr(cosa.api, "_rank", lambda plan_, q_, k_: plan_.order.copy_(_example_order(plan_)))
+    plan = cosa.plan(*(t.cuda() for t in table), **shapes, causal=True, budget=budget, delta=delta)
     expected = cosa.run(plan, q.cuda(), cache.cuda()).float().cpu()
-    assert aot.kernel_source("bfloat16", 128).kind == "aot"
+    assert {aot.kernel_source(kernel, "bfloat16", 128).kind for kernel in aot.KERNELS} == {"aot"}
+    assert plan.rank_kernel is not None  # Python's order mask comes from the KAP kernels too
+    assert plan.stats().density_stage1 < 1 or budget == 1.0
     got = torch.from_numpy(np.fromfile(out, dtype=np.float32)).view_as(expected)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
@@ -191,7 +186,120 @@ def test_run_with_loaded_kernel_equals_jit(gpu_with_wheel_kernels, monkeypatch, 
         o, lse = cosa.run(plan, q, cache, return_lse=True)
         stats = plan.stats()
         results[kind] = (o, lse, stats.computed, stats.skipped)
-        assert aot.kernel_source(name, head_dim).kind == kind
+        assert {aot.kernel_source(kernel, name, head_dim).kind for kernel in aot.KERNELS} == {kind}
     # the same kernel source and options; only the host ABI differs (plain C against TVM-FFI)
     for loaded, compiled in zip(results["aot"], results["jit"]):
         torch.testing.assert_close(loaded, compiled, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------- the attention C API's checks
+# cosa.h's structs as ctypes lays them out: C's rules, field by field.
+_i32p, _i64 = ctypes.POINTER(ctypes.c_int32), ctypes.c_int64
+
+
+class _RemapArgs(ctypes.Structure):
+    _fields_ = [("qo_indptr", _i32p), ("qo_indptr_size", _i64), ("kv_indptr", _i32p), ("kv_indptr_size", _i64),
+                ("kv_indices", _i32p), ("kv_indices_size", _i64), ("kv_last_page_len", _i32p),
+                ("kv_last_page_len_size", _i64), ("num_pages", _i64), ("page_size", ctypes.c_int32),
+                ("num_qo_heads", ctypes.c_int32), ("num_kv_heads", ctypes.c_int32), ("head_dim", ctypes.c_int32),
+                ("causal", ctypes.c_bool), ("budget", ctypes.c_double), ("force_local", ctypes.c_bool),
+                ("force_sink", ctypes.c_bool)]
+
+
+class _PlanArgs(ctypes.Structure):
+    _fields_ = [("remap", _RemapArgs), ("dtype", ctypes.c_int), ("sm_scale", ctypes.c_double),
+                ("delta", ctypes.c_double)]
+
+
+class _RunArgs(ctypes.Structure):
+    _fields_ = [("q", ctypes.c_void_p), ("q_strides", _i64 * 2), ("k_cache", ctypes.c_void_p),
+                ("k_strides", _i64 * 3), ("v_cache", ctypes.c_void_p), ("v_strides", _i64 * 3),
+                ("order", ctypes.c_void_p), ("o", ctypes.c_void_p), ("o_strides", _i64 * 2),
+                ("lse", ctypes.c_void_p), ("computed", ctypes.c_void_p), ("skipped", ctypes.c_void_p)]
+
+
+_INVALID_ARGUMENT = 1
+
+
+class _CApi:
+    """libcosa's attention functions, and plan arguments for one request of ``tokens``
+    tokens (q_len = kv_len, page size 128, 4 query / 2 kv heads, head_dim 128, bf16)."""
+
+    def __init__(self, library: Path):
+        self.lib = ctypes.CDLL(str(library))
+        self.lib.cosa_last_error.restype = ctypes.c_char_p
+        self.lib.cosa_plan_create.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cosa_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_RunArgs), ctypes.c_void_p]
+        self.lib.cosa_plan_destroy.argtypes = [ctypes.c_void_p]
+
+    def plan_args(self, tokens: int, **changes) -> _PlanArgs:
+        pages = -(-tokens // 128)
+        # kept with the plan arguments, which point into them
+        self.page_table = [np.array(a, dtype=np.int32) for a in ([0, tokens], [0, pages], range(pages),
+                                                                 [tokens - 128 * (pages - 1)])]
+        pointers = [a.ctypes.data_as(_i32p) for a in self.page_table]
+        remap = _RemapArgs(pointers[0], 2, pointers[1], 2, pointers[2], pages, pointers[3], 1, pages, 128, 4, 2,
+                           128, True, 0.25, True, True)
+        args = _PlanArgs(remap, 0, 128 ** -0.5, 0.05)  # COSA_DTYPE_BFLOAT16
+        for name, value in changes.items():
+            setattr(args.remap if hasattr(args.remap, name) else args, name, value)
+        return args
+
+    def create(self, args: _PlanArgs) -> tuple[int, ctypes.c_void_p]:
+        plan = ctypes.c_void_p()
+        return self.lib.cosa_plan_create(ctypes.byref(args), ctypes.byref(plan)), plan
+
+    def error(self) -> str:
+        return self.lib.cosa_last_error().decode()
+
+
+@pytest.fixture(scope="module")
+def c_api(site) -> _CApi:
+    return _CApi(_libcosa(site))
+
+
+BAD_PLAN_ARGS = {
+    "head_dim": ({"head_dim": 96}, "head_dim must be 64 or 128, got 96"),
+    "dtype": ({"dtype": 7}, "dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got 7"),
+    "sm_scale": ({"sm_scale": float("nan")}, "sm_scale must be finite and > 0"),
+    "delta": ({"delta": -1.0}, "delta must be finite and >= 0"),
+    "page table": ({"kv_last_page_len_size": 2}, "kv_last_page_len must have B = 1 entries"),
+}
+
+
+@pytest.mark.parametrize("changes, message", BAD_PLAN_ARGS.values(), ids=BAD_PLAN_ARGS.keys())
+def test_plan_create_rejects_bad_arguments_naming_them(c_api, changes, message):
+    # checked before any CUDA call: no GPU needed
+    status, plan = c_api.create(c_api.plan_args(1000, **changes))
+    assert (status, plan.value) == (_INVALID_ARGUMENT, None)
+    assert c_api.error().startswith(message)
+
+
+@pytest.mark.gpu
+def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
+    # One request of 4097 key blocks: more than KAP ranks, so the caller must pass the order.
+    # Every case fails before a launch, but the operands are real, in case one did not.
+    tokens = 128 * (kap.MAX_KEY_BLOCKS + 1)
+    status, plan = c_api.create(c_api.plan_args(tokens))
+    assert status == 0, c_api.error()
+    try:
+        q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16, device="cuda")
+        o = torch.empty_like(q)
+        cache = torch.zeros(tokens // 128, 2, 128, 2, 128, dtype=torch.bfloat16, device="cuda")
+        k, v = cache[:, 0], cache[:, 1]
+        args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
+                        None, o.data_ptr(), o.stride()[:2], None, None, None)
+        cases = {
+            "order must not be NULL: the longest request has 4097 key blocks": {},
+            "q must be 16-byte aligned": {"q": q.data_ptr() + 2},
+            "k_cache strides must be positive multiples of 8, got stride[1]=4": {"k_strides": (k.stride(0), 4, 128)},
+            "o must not be NULL": {"o": None},
+        }
+        for message, changes in cases.items():
+            bad = _RunArgs.from_buffer_copy(args)
+            for name, value in changes.items():
+                setattr(bad, name, value)
+            assert c_api.lib.cosa_run(plan, ctypes.byref(bad), None) == _INVALID_ARGUMENT, message
+            assert c_api.error().startswith(message)
+    finally:
+        c_api.lib.cosa_plan_destroy(plan)

@@ -23,7 +23,7 @@ import torch
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 from cosa import _C, api  # noqa: E402
-from cosa.cute_kernels import aot, kap, osk  # noqa: E402
+from cosa.cute_kernels import aot, kap, osk, plan_layout  # noqa: E402
 
 ROOT = Path(__file__).parents[1]
 
@@ -38,18 +38,25 @@ def test_configs_are_the_supported_set():
 
 def test_the_build_exports_every_config():
     """CMakeLists.txt and csrc/attention.cpp name the exported kernels themselves (the build
-    must know its outputs before the export runs): one per osk.CONFIGS, by aot.py's prefix."""
-    prefixes = sorted(aot.aot_prefix(dt, d) for dt, d in osk.CONFIGS)
-    cmake = re.search(r"foreach\(_config ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text()).group(1)
-    assert sorted(f"cosa_osk_{config}" for config in cmake.split()) == prefixes
+    must know its outputs before the export runs): every aot.KERNELS in every osk.CONFIGS, by
+    aot.py's prefix; and attention.cpp's bound on the requests KAP ranks is kap.py's."""
+    prefixes = sorted(aot.aot_prefix(kernel, dt, d) for kernel in aot.KERNELS for dt, d in osk.CONFIGS)
+    cmake = (ROOT / "CMakeLists.txt").read_text()
+    configs, kernels = (re.search(rf"foreach\({loop} ([^)]*)\)", cmake).group(1).split()
+                        for loop in ("_config", "_kernel"))
+    assert sorted(f"cosa_{kernel}_{config}" for kernel in kernels for config in configs) == prefixes
     source = (ROOT / "csrc" / "attention.cpp").read_text()
-    assert sorted(re.findall(r'#include "(cosa_osk_\w+)\.h"', source)) == prefixes
-    assert sorted(re.findall(r"^COSA_OSK_LAUNCHER\((\w+)\)", source, re.MULTILINE)) == prefixes
+    assert sorted(re.findall(r'#include "(cosa_\w+)\.h"', source)) == prefixes
+    launchers = re.findall(r"^COSA_(OSK|KAP_POOL|KAP_RANK)_LAUNCHER\((\w+)\)", source, re.MULTILINE)
+    assert sorted(prefix for _, prefix in launchers) == prefixes
+    assert all(prefix.startswith(f"cosa_{kind.lower()}_") for kind, prefix in launchers)
+    assert f"kKapMaxKeyBlocks = {kap.MAX_KEY_BLOCKS};" in source
 
 
-def test_the_kernel_reads_the_plan_s_qtile_columns():
-    columns = ("REQUEST", "INDEX", "ROW_START", "ROWS", "NUM_SELECTED")
-    assert [getattr(osk, f"QT_{c}") for c in columns] == [getattr(_C, f"QT_{c}") for c in columns]
+def test_the_kernels_read_the_plan_s_layout():
+    names = [name for name in vars(plan_layout) if name.isupper()]
+    assert len(names) == 8
+    assert {name: getattr(plan_layout, name) for name in names} == {name: getattr(_C, name) for name in names}
 
 
 @pytest.mark.parametrize("dtype_name,head_dim", osk.CONFIGS)

@@ -1,6 +1,7 @@
 /*
  * cosa: C API of libcosa -- the paged-KV remap layer and, when built with the
- * kernels, the OSK attention kernel (the "Attention" section below).
+ * kernels, CoSA's attention: the KAP proxy and the OSK kernel (the "Attention"
+ * section below).
  *
  * Given a batch's page table (FlashInfer's CSR form) the remap layer builds
  * the plan tables that CoSA's kernel reads: per-request lengths, the physical
@@ -167,13 +168,14 @@ COSA_API cosa_status cosa_remap_resolve_order(const cosa_remap_plan* plan, const
                                               int64_t out_pages_size);
 
 /* ------------------------------------------------------------------------
- * Attention: the OSK kernel (stage 2) on device pointers, no Python needed.
+ * Attention: both stages on device pointers, no Python needed: the KAP proxy
+ * writes the order mask (stage 1), the OSK kernel walks it (stage 2); or the
+ * caller passes an order mask of its own (see cosa_run_args.order).
  * Present when libcosa was built with -DCOSA_AOT_KERNELS=ON (the kernels are
  * exported ahead of time and linked in; docs/design.md "Ahead-of-time
  * kernels"); otherwise cosa_plan_create returns COSA_ERROR_UNSUPPORTED.
  * Needs an SM90 GPU and the CUDA driver at run time (the CUDA runtime is
- * linked statically). Stage 1, the proxy, is not part of it: the caller
- * passes the order mask (see cosa_run_args.order).
+ * linked statically).
  * ------------------------------------------------------------------------ */
 
 /* Whether this libcosa carries the kernels. */
@@ -197,7 +199,12 @@ typedef struct cosa_plan cosa_plan;
 /*
  * Validates args, builds the remap plan and copies its tables to memory the
  * plan owns on the current CUDA device (a synchronous copy); the plan may
- * then be run on that device only, from any stream.
+ * then be run on that device only, from any stream. Where KAP can rank the
+ * batch (no request of more than 4096 key blocks, 512K tokens) that memory
+ * also holds the proxy's: its ranking table (8 bytes per query tile and key
+ * block of the longest request), the float block means of q and K, and the
+ * order mask; for one request of 128K tokens, 32 query and 8 kv heads of
+ * head_dim 128 at budget 0.25: 8 MB, 20 MB and 32 MB.
  */
 COSA_API cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out);
 
@@ -224,10 +231,13 @@ typedef struct cosa_run_args {
     int64_t k_strides[3];
     const void* v_cache;
     int64_t v_strides[3];
-    /* int32 [num_qtiles][num_qo_heads][k_max], contiguous: each tile's key
-     * blocks in visiting order, as for cosa_remap_resolve_order (the proxy's
-     * output, e.g. Python's cosa.order_mask; local blocks first keeps every
-     * row's running max finite from the first block). Not checked on device. */
+    /* NULL: the KAP proxy computes the order mask at the plan's budget into
+     * plan-owned scratch, as Python's cosa.run does (needs a plan KAP can
+     * rank, see cosa_plan_create). Else the caller's, int32
+     * [num_qtiles][num_qo_heads][k_max], contiguous: each tile's key blocks in
+     * visiting order, as for cosa_remap_resolve_order (e.g. Python's
+     * cosa.order_mask; local blocks first keeps every row's running max finite
+     * from the first block). Not checked on device. */
     const int32_t* order;
     void* o;
     int64_t o_strides[2];
@@ -241,10 +251,11 @@ typedef struct cosa_run_args {
 } cosa_run_args;
 
 /*
- * Enqueues the kernel on stream (a cudaStream_t; NULL is the legacy default
- * stream): no allocation and no host sync, so it may be captured in a CUDA
- * graph. Runs sharing a plan's scratch (NULL lse/computed/skipped) must not
- * overlap. Host-side checks only: bad device pointers are not detected.
+ * Enqueues the kernels on stream (a cudaStream_t; NULL is the legacy default
+ * stream): KAP's two when order is NULL, then OSK. No allocation and no host
+ * sync, so it may be captured in a CUDA graph. Runs sharing a plan's scratch
+ * (NULL order/lse/computed/skipped) must not overlap. Host-side checks only:
+ * bad device pointers are not detected.
  */
 COSA_API cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* stream);
 
