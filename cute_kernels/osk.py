@@ -1237,13 +1237,31 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
     return fn
 
 
+# _to_cute's descriptors by (address, device, dtype, shape, strides): a descriptor holds no reference
+# to its tensor, so equal keys give equal descriptors, and a plan's tensors, passed on every
+# call, are described once (about 10 us a tensor, which the plain C ABI's launches pay on the
+# host: some 25 tensors a run)
+_CUTE_VIEWS_MAX = 256
+_cute_views: dict = {}
+_views_lock = threading.Lock()
+
+
 def _to_cute(t):
     """A torch tensor as the plain C ABI passes it: every extent dynamic, and every stride but
     the contiguous last dim's, as ``_fake_tensor`` compiled them."""
-    from cutlass.cute.runtime import from_dlpack
+    key = (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
+    with _views_lock:
+        view = _cute_views.get(key)
+    if view is None:
+        from cutlass.cute.runtime import from_dlpack
 
-    align = 16 if t.dtype.itemsize == 2 else 4
-    return from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+        align = 16 if t.dtype.itemsize == 2 else 4
+        view = from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+        with _views_lock:
+            if len(_cute_views) >= _CUTE_VIEWS_MAX:
+                del _cute_views[next(iter(_cute_views))]  # the oldest
+            _cute_views[key] = view
+    return view
 
 
 def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):

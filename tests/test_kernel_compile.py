@@ -11,10 +11,12 @@ argument checks, which run before anything is compiled, are exercised here too.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import re
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -120,6 +122,23 @@ def test_plain_abi_arguments_match_the_compiled_spec(kernel):
         passed = osk._to_cute(tensor)
         assert (passed.dynamic_shapes_mask, passed.dynamic_strides_mask) == \
             (fake.dynamic_shapes_mask, fake.dynamic_strides_mask), f"argument {position}"
+
+
+def test_plain_abi_descriptors_are_reused_for_equal_tensors_only():
+    # The launchers describe a plan's tensors once (osk._cute_views), not on every run.
+    t = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
+    view = osk._to_cute(t)
+    assert osk._to_cute(t) is view and osk._to_cute(t[:]) is view  # same address and geometry
+    for other in (t[1:], t[:, :2], torch.zeros_like(t), t.view(torch.float16)):
+        assert osk._to_cute(other) is not view
+    alive = weakref.ref(t)
+    del t
+    gc.collect()
+    assert alive() is None  # the cache keeps no tensor alive
+    distinct = [torch.zeros(2, 8, dtype=torch.int32) for _ in range(osk._CUTE_VIEWS_MAX + 8)]
+    views = [osk._to_cute(x) for x in distinct]
+    assert len(osk._cute_views) == osk._CUTE_VIEWS_MAX  # the oldest were dropped
+    assert osk._to_cute(distinct[-1]) is views[-1] and osk._to_cute(distinct[0]) is not views[0]
 
 
 def _forward_args(**change):
