@@ -258,12 +258,17 @@ void build_rank_base(const PlanArgs& args, Plan& plan) {
     plan.rank_base.reserve(static_cast<size_t>(plan.num_qtiles() * width));
     for (int64_t qt = 0; qt < plan.num_qtiles(); ++qt) {
         const int32_t* row = plan.qtiles.data() + qt * COSA_QT_COLUMNS;
-        for (int64_t j = 0; j < width; ++j) {
-            int64_t priority = j < row[COSA_QT_NUM_CANDIDATES] ? kScored : kNotCandidate;
-            if (args.force_sink && j == 0) priority = kSink;  // block 0 is every tile's candidate
-            if (args.force_local && j == row[COSA_QT_LOCAL_LAST]) priority = kLocalLast;
-            if (args.force_local && j == row[COSA_QT_LOCAL_FIRST]) priority = kLocalFirst;
-            plan.rank_base.push_back(priority << kRankPriorityShift | j);
+        const int64_t first = static_cast<int64_t>(plan.rank_base.size());
+        const int64_t candidates = row[COSA_QT_NUM_CANDIDATES];  // <= width
+        for (int64_t j = 0; j < candidates; ++j) plan.rank_base.push_back(kScored << kRankPriorityShift | j);
+        for (int64_t j = candidates; j < width; ++j) plan.rank_base.push_back(kNotCandidate << kRankPriorityShift | j);
+        // The forced blocks, all candidates (block 0 is every tile's).
+        int64_t* keys = plan.rank_base.data() + first;
+        auto force = [&](int64_t j, RankPriority priority) { keys[j] = priority << kRankPriorityShift | j; };
+        if (args.force_sink) force(0, kSink);
+        if (args.force_local) {
+            force(row[COSA_QT_LOCAL_LAST], kLocalLast);
+            force(row[COSA_QT_LOCAL_FIRST], kLocalFirst);
         }
     }
 }
