@@ -161,6 +161,7 @@ def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, b
     out = tmp_path / "o.f32"
     printed = _run(example, out, str(budget), str(delta))
     assert "all checks passed" in printed if budget == 1.0 else "o written" in printed
+    assert "graph replay on new q equals the eager run" in printed
     q, cache, table, shapes = _inputs()
     plan = cosa.plan(*(t.cuda() for t in table), **shapes, causal=True, budget=budget, delta=delta)
     expected = cosa.run(plan, q.cuda(), cache.cuda()).float().cpu()

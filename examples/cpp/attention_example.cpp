@@ -1,6 +1,7 @@
 // CoSA through libcosa's C API, no Python: a paged bf16 cache of two ragged
-// requests, both stages (the KAP proxy's order mask, then the kernel) and, at
-// budget 1.0 with delta 0, a check against dense causal attention on the CPU.
+// requests, both stages (the KAP proxy's order mask, then the kernel), the run
+// captured in a CUDA graph and replayed on new q and, at budget 1.0 with delta
+// 0, a check against dense causal attention on the CPU.
 //   attention_example [OUT [BUDGET DELTA]]
 // OUT: also write o as float32 [total_q, Hq, D]; BUDGET, DELTA: 1.0 and 0 by default.
 #include <cuda_runtime.h>
@@ -122,8 +123,41 @@ int main(int argc, char** argv) {
         if (f == nullptr || std::fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) return 1;
         std::fclose(f);
     }
+
+    // The run captured in a CUDA graph, as a serving engine would, and replayed on new q: it
+    // must equal an eager run on that q, bit for bit.
+    cudaStream_t stream;
+    cuda(cudaStreamCreate(&stream));
+    uint16_t* d_o_graph = upload(std::vector<uint16_t>(q.size()));
+    run.o = d_o_graph;
+    cudaGraph_t graph;
+    cudaGraphExec_t replay;
+    cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    check(cosa_run(plan, &run, stream) == COSA_OK, "cosa_run (captured)");
+    cuda(cudaStreamEndCapture(stream, &graph));
+    cuda(cudaGraphInstantiate(&replay, graph, 0));
+    std::vector<uint16_t> q_next(q.size()), o_graph(q.size()), o_eager(q.size());
+    for (size_t i = 0; i < q.size(); ++i) q_next[i] = to_bf16(value(static_cast<int64_t>(i), 3));
+    cuda(cudaMemcpy(d_q, q_next.data(), q_next.size() * 2, cudaMemcpyHostToDevice));
+    cuda(cudaGraphLaunch(replay, stream));
+    cuda(cudaStreamSynchronize(stream));
+    run.o = d_o;
+    check(cosa_run(plan, &run, nullptr) == COSA_OK, "cosa_run (new q)");
+    cuda(cudaMemcpy(o_graph.data(), d_o_graph, o_graph.size() * 2, cudaMemcpyDeviceToHost));
+    cuda(cudaMemcpy(o_eager.data(), d_o, o_eager.size() * 2, cudaMemcpyDeviceToHost));
+    if (o_graph != o_eager || o_graph == o) {
+        std::fprintf(stderr, "the graph's replay differs from the eager run on new q, or new q changed nothing\n");
+        return 1;
+    }
+    std::printf("graph replay on new q equals the eager run\n");
+    cuda(cudaGraphExecDestroy(replay));
+    cuda(cudaGraphDestroy(graph));
+    cuda(cudaStreamDestroy(stream));
+
     cosa_plan_destroy(plan);
-    for (void* p : {static_cast<void*>(d_q), static_cast<void*>(d_cache), static_cast<void*>(d_o)}) cuda(cudaFree(p));
+    for (void* p : {static_cast<void*>(d_q), static_cast<void*>(d_cache), static_cast<void*>(d_o),
+                    static_cast<void*>(d_o_graph)})
+        cuda(cudaFree(p));
     if (budget != 1.0 || delta != 0.0) {
         std::printf("budget %g, delta %g: o written; only budget 1 with delta 0 has a dense reference\n", budget,
                     delta);
