@@ -38,8 +38,15 @@ void check_cuda(cudaError_t err, const char* what) {
 #include "cosa_osk_fp16_d64.h"
 #endif
 
+namespace {
+
 // Key blocks of the longest request the KAP kernels rank (cute_kernels/kap.py's MAX_KEY_BLOCKS).
 constexpr int64_t kKapMaxKeyBlocks = 4096;
+
+// Whether cosa_run can compute the plan's order mask itself: KAP ranks every request.
+bool kap_ranks(const cosa::Plan& plan) { return plan.max_request_blocks() <= kKapMaxKeyBlocks; }
+
+}  // namespace
 
 struct cosa_plan {
     cosa_remap_plan remap;
@@ -51,11 +58,9 @@ struct cosa_plan {
     double sm_scale = 0, delta = 0;
     int64_t total_q = 0;
     int device = 0;
-    // Whether cosa_run can compute the order mask itself (KAP ranks every request).
-    bool ranks = false;
     // One device allocation of 4-byte words: the plan tables, then the scratch, each array
     // at a word offset below, 256-byte aligned. The KAP arrays (rank_base, int64; the means
-    // qbar and kbar, float; order) are there only when the plan ranks.
+    // qbar and kbar, float; order) are there only where kap_ranks.
     int32_t* words = nullptr;
     int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
             tile_order = 0, rank_base = 0, lse = 0, computed = 0, skipped = 0, qbar = 0, kbar = 0,
@@ -267,7 +272,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->sm_scale = args->sm_scale;
         plan->delta = args->delta;
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
-        plan->ranks = host.max_request_blocks() <= kKapMaxKeyBlocks;
+        const bool ranks = kap_ranks(host);
         const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(host.rank_base.size());
         int64_t at = 0;
         auto carve = [&](int64_t& offset, int64_t words) {
@@ -283,7 +288,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         carve(plan->lse, plan->total_q * host.num_qo_heads);  // float, 4 bytes like int32
         carve(plan->computed, host.num_tiles());
         carve(plan->skipped, host.num_tiles());
-        if (plan->ranks) {
+        if (ranks) {
             carve(plan->rank_base, 2 * num_rank_keys);  // int64
             carve(plan->qbar, num_qtiles * host.num_qo_heads * plan->head_dim);
             carve(plan->kbar, host.num_kv_blocks() * plan->num_kv_heads * plan->head_dim);
@@ -304,7 +309,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         upload(plan->block_pages, host.block_pages);
         upload(plan->qtiles, host.qtiles);
         upload(plan->tile_order, host.tile_order);
-        if (plan->ranks) upload(plan->rank_base, host.rank_base);
+        if (ranks) upload(plan->rank_base, host.rank_base);
         plan->remap.plan = std::move(host);
         *out = plan.release();
 #else
@@ -327,7 +332,7 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         check_operand(args->o, args->o_strides, 2, "o");
         const cosa::Plan& p = plan->remap.plan;
         if (p.num_tiles() == 0) return;  // no query rows: nothing to write
-        if (args->order == nullptr && !plan->ranks)
+        if (args->order == nullptr && !kap_ranks(p))
             invalid("order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
                     " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +
                     " that cosa_run's proxy ranks");

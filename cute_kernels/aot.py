@@ -27,7 +27,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 # Where an installed wheel keeps libcosa: cosa/lib, beside this package (cosa/cute_kernels).
 LIBCOSA = Path(__file__).resolve().parents[1] / "lib" / "libcosa.so"
@@ -35,8 +35,8 @@ DISABLE_AOT = "COSA_DISABLE_AOT"  # set (not "0"): always compile, even when lib
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
 # What is exported in every configuration: OSK, and KAP's two kernels (kap.compile_config's pair)
-KERNELS = ("osk", "kap_pool", "kap_rank")
 Kernel = Literal["osk", "kap_pool", "kap_rank"]
+KERNELS = get_args(Kernel)
 
 
 def aot_prefix(kernel: Kernel, dtype_name: str, head_dim: int) -> str:

@@ -16,7 +16,8 @@ qbar, kbar, order, *, kv_layout="NHD") -> None``
     float32, which the caller provides); no host sync, no allocation, so CUDA-graph
     capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
     ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).  Imports no
-    torch until called, so that ``aot.py`` exports the kernels without it.
+    torch (``osk._launch`` does, when called), so that ``aot.py`` exports the kernels
+    without it.
 
 Kernels
 -------
@@ -72,8 +73,8 @@ import threading
 import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import (CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _paged_operands,
-                  _row_offset, _to_cute)
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _launch,
+                  _paged_operands, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_kernel
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
@@ -434,8 +435,6 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
               order, *, kv_layout: str = "NHD") -> None:
     """Launch the two KAP kernels (see the module docstring for the contract)."""
-    import torch
-
     if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
         return
     D = q.shape[-1]
@@ -444,15 +443,8 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
                          f"{rank_base.shape[1]} key blocks (at most {MAX_KEY_BLOCKS})")
     (k,), page_shift = _paged_operands("kap_order", q, {"k_cache": k_cache}, kv_layout, {})
     pool, rank, source = _kernels(_dtype_name(q.dtype), D)
-    pool_args = (k, block_pages, kv_block_indptr, kv_lens, kbar)
-    rank_args = (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
-    if _HAVE_TVM_FFI and source.kind == "jit":  # the exported kernels take the plain C ABI
-        pool(*pool_args, page_shift)
-        rank(*rank_args)
-    else:
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        pool(*(_to_cute(t) for t in pool_args), page_shift, stream)
-        rank(*(_to_cute(t) for t in rank_args), stream)
+    _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))
+    _launch(rank, source, (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order))
 
 
 def _kernels(dtype_name: str, head_dim: int):

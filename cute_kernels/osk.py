@@ -1291,8 +1291,6 @@ def osk_forward(
     kv_layout: str = "NHD", causal: bool = True,
 ) -> None:
     """Run the OSK kernel (see the module docstring for the contract)."""
-    import torch
-
     name = _dtype_name(q.dtype)
     D = q.shape[-1]
     if not supported(D, q.dtype):
@@ -1311,11 +1309,18 @@ def osk_forward(
     if fn is None:
         fn = compile_config(name, D)
     scalars = (float(sm_scale), float(log_delta), page_shift, int(group), 1 if causal else 0, int(num_tiles))
-    if _HAVE_TVM_FFI and source.kind == "jit":  # the exported kernels take the plain C ABI
-        fn(q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
-           tile_order, order, computed, skipped, *scalars)
+    _launch(fn, source, (q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
+                         tile_order, order, computed, skipped), scalars)
+
+
+def _launch(fn, source, tensors, scalars=()) -> None:
+    """Calls a kernel of ``source`` (``aot.KernelSource``) on the current torch stream: through
+    TVM-FFI (torch tensors, its environment's stream) where it was compiled with it, else through
+    the plain C ABI (``_to_cute``'s descriptors and an explicit stream), which the kernels
+    exported into libcosa take."""
+    import torch
+
+    if _HAVE_TVM_FFI and source.kind == "jit":
+        fn(*tensors, *scalars)
     else:
-        ts = [_to_cute(t) for t in (q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens,
-                                    kv_lens, qtiles, tile_order, order, computed, skipped)]
-        stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        fn(*ts, *scalars, stream)
+        fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
