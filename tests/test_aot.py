@@ -173,18 +173,24 @@ def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 128), (torch.float16, 64)])
-def test_run_with_loaded_kernel_equals_jit(gpu_with_wheel_kernels, monkeypatch, dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,device", [
+    (torch.bfloat16, 128, "cuda:0"), (torch.float16, 64, "cuda:0"),
+    # the plain C ABI launches on the current device: run must make it the tensors'
+    pytest.param(torch.bfloat16, 128, "cuda:1",
+                 marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
+])
+def test_run_with_loaded_kernel_equals_jit(gpu_with_wheel_kernels, monkeypatch, dtype, head_dim, device):
     q, cache, table, shapes = _inputs()
-    q, cache = (x[..., :head_dim].to(dtype).contiguous().cuda() for x in (q, cache))
-    plan = cosa.plan(*(t.cuda() for t in table), **{**shapes, "head_dim": head_dim}, q_data_type=dtype,
+    q, cache = (x[..., :head_dim].to(dtype).contiguous().to(device) for x in (q, cache))
+    plan = cosa.plan(*(t.to(device) for t in table), **{**shapes, "head_dim": head_dim}, q_data_type=dtype,
                      budget=0.5, delta=0.05)
     name = str(dtype).removeprefix("torch.")
     results = {}
     for kind in ("aot", "jit"):
         if kind == "jit":
             monkeypatch.setenv(aot.DISABLE_AOT, "1")
-        o, lse = cosa.run(plan, q, cache, return_lse=True)
+        with torch.cuda.device(0):
+            o, lse = cosa.run(plan, q, cache, return_lse=True)
         stats = plan.stats()
         results[kind] = (o, lse, stats.computed, stats.skipped)
         assert {aot.kernel_source(kernel, name, head_dim).kind for kernel in aot.KERNELS} == {kind}

@@ -93,11 +93,12 @@ def repelling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, negativ
 
 def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
              causal=True, combined=True, spare_pages=3, num_qo_heads=8, inputs=None,
-             dense=False):
+             dense=False, device="cuda"):
     """Run one batch on the GPU and compare it with the float64 reference; returns the
     stats.  ``inputs``: a factory of ``make_batch``'s ``qkv`` (``skewed_inputs``), called
     as ``inputs(num_qo_heads, num_kv_heads, head_dim, generator)``.  ``dense``: the
-    reference is dense attention (needs budget 1, delta 0)."""
+    reference is dense attention (needs budget 1, delta 0).  ``device``: where the batch and
+    the plan live."""
     seed = torch.seed()
     print(f"seed={seed}")
     g = torch.Generator().manual_seed(seed)
@@ -105,14 +106,14 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
     batch = make_batch(q_lens, kv_lens, num_qo_heads, hkv, head_dim, page_size, layout=layout,
                        combined=combined, dtype=dtype, spare_pages=spare_pages, generator=g,
                        qkv=inputs(num_qo_heads, hkv, head_dim, g) if inputs else None)
-    q = batch.q.cuda()
-    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
-    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
-                     batch.kv_last_page_len.cuda(), num_qo_heads, hkv, head_dim, page_size,
+    q = batch.q.to(device)
+    cache = tuple(t.to(device) for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.to(device)
+    plan = cosa.plan(batch.qo_indptr.to(device), batch.kv_indptr.to(device), batch.kv_indices.to(device),
+                     batch.kv_last_page_len.to(device), num_qo_heads, hkv, head_dim, page_size,
                      causal=causal, budget=budget, delta=delta, q_data_type=dtype, kv_layout=layout)
     assert plan.uses_kernel, "cosa.plan did not pick the OSK kernel for a supported configuration"
     out = torch.full_like(q, float("nan"))
-    lse = torch.full(q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device="cuda")
+    lse = torch.full(q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=device)
     plan.computed.fill_(COUNT_SENTINEL)
     plan.skipped.fill_(COUNT_SENTINEL)
     o, lse = cosa.run(plan, q, cache, out=out, lse=lse, return_lse=True)
@@ -248,6 +249,18 @@ def test_one_block_tiles():
     stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=32, layout="HND", group=1,
                      q_lens=[1, 64, 128], kv_lens=[1, 100, 128], budget=0.1, delta=1.0)
     assert (stats.computed == 1).all() and (stats.skipped == 0).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_gpu_that_is_not_the_current_one():
+    # Like torch's own ops, plan and run follow their tensors' device, not the current one: a
+    # model spread over GPUs (transformers' device_map) runs layers on GPUs that are not current.
+    with torch.cuda.device(0):
+        stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=16, layout="NHD", group=4,
+                         q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=0.7, delta=0.5,
+                         inputs=skewed_inputs, device="cuda:1")
+        assert torch.cuda.current_device() == 0, "run must leave the current device as it was"
+    assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
 
 
 @pytest.mark.parametrize("dtype,head_dim,page_size", [(torch.bfloat16, 128, 16), (torch.bfloat16, 64, 128)])
