@@ -11,9 +11,9 @@ Entry points
 
 ``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base,
 qbar, kbar, order, *, kv_layout="NHD") -> None``
-    Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream
-    (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks, Hkv, D]
-    float32, which the caller provides); no host sync, no allocation, so CUDA-graph
+    Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream of
+    q's device (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks,
+    Hkv, D] float32, which the caller provides); no host sync, no allocation, so CUDA-graph
     capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
     ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).  Imports no
     torch (``osk._launch`` does, when called), so that ``aot.py`` exports the kernels

@@ -8,7 +8,7 @@ Entry points
 ``osk_forward(q, k_cache, v_cache, block_pages, kv_block_indptr, qo_lens,
 kv_lens, qtiles, tile_order, order, o, lse, computed, skipped, *, sm_scale,
 log_delta, kv_layout="NHD", causal=True) -> None``
-    Launches the kernel on the current torch stream; writes ``o``, ``lse``,
+    Launches the kernel on the current torch stream of q's device; writes ``o``, ``lse``,
     ``computed`` and ``skipped`` in place; no host sync and no allocation, so it
     is CUDA-graph capturable once compiled (tests/test_cuda_graph.py).  Every
     (qtile, head) listed in ``tile_order`` is written (rows of a tile with no
@@ -1314,13 +1314,16 @@ def osk_forward(
 
 
 def _launch(fn, source, tensors, scalars=()) -> None:
-    """Calls a kernel of ``source`` (``aot.KernelSource``) on the current torch stream: through
-    TVM-FFI (torch tensors, its environment's stream) where it was compiled with it, else through
+    """Calls a kernel of ``source`` (``aot.KernelSource``) on the current torch stream of the
+    tensors' device, which need not be the current device: through TVM-FFI (torch tensors; it
+    switches to their device and takes its stream) where it was compiled with it, else through
     the plain C ABI (``_to_cute``'s descriptors and an explicit stream), which the kernels
-    exported into libcosa take."""
+    exported into libcosa take and which launches on the current device."""
     import torch
 
     if _HAVE_TVM_FFI and source.kind == "jit":
         fn(*tensors, *scalars)
-    else:
-        fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        return
+    device = tensors[0].device
+    with torch.cuda.device(device):
+        fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
