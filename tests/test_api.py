@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import pytest
 import torch
 
 import cosa
+import cosa.cute_kernels
 from batch import make_batch
+from cosa import api, reference
 
 HQ, HKV, D, PAGE = 4, 2, 64, 16
 
@@ -51,6 +54,50 @@ def test_stats_count_blocks_per_head_and_tile(batch):
     cosa.run(skip_all, batch.q, batch.cache)
     assert (skip_all.stats().computed == 1).all(), "all but the first visited block skipped"
     assert stats.computed.tolist() == before, "a Stats is a copy, untouched by later runs"
+
+
+CUDA = torch.device("cuda", 1)
+
+
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0), (12, 0)])
+def test_a_gpu_other_than_hopper_gets_the_reference_with_a_warning(monkeypatch, capability):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
+    sm = "sm_%d%d" % capability
+    with pytest.warns(UserWarning, match=rf"needs a Hopper GPU \(sm_90\); cuda:1 is {sm}, so run uses"):
+        assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is None
+    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
+
+
+def test_hopper_gets_the_kernels(monkeypatch):
+    from cosa.cute_kernels import kap, osk
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
+    assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is osk.osk_forward
+    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.kap_order
+
+
+def test_without_the_cute_dsl_the_reference_runs_with_a_warning(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
+    for name in ("osk", "kap"):   # as if the DSL were missing: importing the kernels fails
+        monkeypatch.delattr(cosa.cute_kernels, name, raising=False)
+        monkeypatch.setitem(sys.modules, f"cosa.cute_kernels.{name}", None)
+    with pytest.warns(UserWarning, match="the OSK kernel is unavailable .*; run uses the exact reference"):
+        assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is None
+    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
+
+
+@pytest.mark.gpu
+def test_plan_on_a_gpu_other_than_hopper_runs_the_reference(batch, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
+    with pytest.warns(UserWarning, match="needs a Hopper GPU"):
+        plan = cosa.plan(*(x.cuda() for x in plan_args(batch)[:4]), *plan_args(batch)[4:],
+                         budget=1.0, delta=0.0)
+    assert plan.kernel is None and plan.rank_kernel is None
+    o = cosa.run(plan, batch.q.cuda(), batch.cache.cuda()).cpu().double()
+    for r, (q, k, v) in enumerate(batch.requests):
+        expected, _ = reference.dense_attention(q.double(), k.double(), v.double(), causal=True,
+                                                sm_scale=plan.sm_scale)
+        rows = slice(plan.qo_indptr_host[r], plan.qo_indptr_host[r + 1])
+        torch.testing.assert_close(o[rows], expected, rtol=2e-2, atol=2e-2)
 
 
 def test_empty_batch_runs():

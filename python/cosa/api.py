@@ -26,6 +26,7 @@ from .reference import ordered_skip_attention
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # bytes between buffers carved from a workspace
+HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
 
 
 @dataclass(frozen=True)
@@ -377,12 +378,22 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     return (out, lse) if return_lse else out
 
 
+def _runs_kernels(device: torch.device) -> bool:
+    """Whether the CuTe kernels run on ``device``: they are built for sm_90a, Hopper only."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == HOPPER
+
+
 def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype) -> Callable | None:
     """The OSK kernel's launcher for this configuration, or None: no CUDA device, a
-    dtype or head_dim it lacks, or no CuTe DSL installed (then with a warning,
-    since the reference is far slower)."""
+    dtype or head_dim it lacks, and with a warning (the reference is far slower) a GPU
+    other than Hopper or no CuTe DSL installed."""
     if device.type != "cuda" or kv_data_type != q_data_type:
+        return None
+    if not _runs_kernels(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        warnings.warn(f"cosa: the OSK kernel needs a Hopper GPU (sm_90); {device} is sm_{major}{minor}, "
+                      "so run uses the exact reference", stacklevel=3)
         return None
     try:
         from .cute_kernels import osk
@@ -396,9 +407,9 @@ def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
 def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
     """The fused KAP launcher (``cute_kernels/kap.py``), or None where ``run`` ranks with the
-    torch proxies: another proxy, no CUDA device, no CuTe DSL (``osk_kernel`` warns), a
+    torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_kernel`` warns), a
     configuration the kernels lack, or a request of more key blocks than their sort holds."""
-    if proxy != "kap" or device.type != "cuda" or kv_data_type != q_data_type:
+    if proxy != "kap" or not _runs_kernels(device) or kv_data_type != q_data_type:
         return None
     try:
         from .cute_kernels import kap
