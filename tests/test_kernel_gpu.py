@@ -93,12 +93,14 @@ def repelling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, negativ
 
 def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
              causal=True, combined=True, spare_pages=3, num_qo_heads=8, inputs=None,
-             dense=False, device="cuda"):
+             dense=False, device="cuda", fused=False):
     """Run one batch on the GPU and compare it with the float64 reference; returns the
     stats.  ``inputs``: a factory of ``make_batch``'s ``qkv`` (``skewed_inputs``), called
     as ``inputs(num_qo_heads, num_kv_heads, head_dim, generator)``.  ``dense``: the
     reference is dense attention (needs budget 1, delta 0).  ``device``: where the batch and
-    the plan live."""
+    the plan live.  ``fused``: q and o are views into wider rows, as a fused QKV projection
+    and an engine's output buffer give them; o's row holds one more (poisoned) head, which
+    must stay unwritten."""
     seed = torch.seed()
     print(f"seed={seed}")
     g = torch.Generator().manual_seed(seed)
@@ -112,17 +114,25 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
                      batch.kv_last_page_len.to(device), num_qo_heads, hkv, head_dim, page_size,
                      causal=causal, budget=budget, delta=delta, q_data_type=dtype, kv_layout=layout)
     assert plan.uses_kernel, "cosa.plan did not pick the OSK kernel for a supported configuration"
-    out = torch.full_like(q, float("nan"))
+    out_rows = torch.full((q.shape[0], num_qo_heads + (1 if fused else 0), head_dim), float("nan"),
+                          dtype=dtype, device=device)
+    out = out_rows[:, :num_qo_heads]
+    if fused:
+        q = torch.cat([q, torch.zeros_like(q[:, :2 * hkv])], dim=1)[:, :num_qo_heads]
     lse = torch.full(q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=device)
     plan.computed.fill_(COUNT_SENTINEL)
     plan.skipped.fill_(COUNT_SENTINEL)
     o, lse = cosa.run(plan, q, cache, out=out, lse=lse, return_lse=True)
     assert o is out
+    if fused:  # the reference follows the plan's order, so check KAP's reading of q on its own
+        order = plan.order.clone()
+        assert torch.equal(cosa.order_mask(plan, q.contiguous(), cache), order), "KAP misread q's view"
     stats = plan.stats()
     o, lse, order = o.cpu().double(), lse.cpu().double(), plan.order.cpu()
     computed, skipped = stats.computed, stats.skipped
 
     assert not o.isnan().any(), "o has unwritten (NaN) elements"
+    assert out_rows[:, num_qo_heads:].isnan().all(), "run wrote past o's view"
     assert not (lse == LSE_SENTINEL).any(), "lse has unwritten elements"
     assert not (computed == COUNT_SENTINEL).any() and not (skipped == COUNT_SENTINEL).any()
     assert torch.equal(computed + skipped, stats.selected[:, None].expand_as(computed)), \
@@ -249,6 +259,12 @@ def test_one_block_tiles():
     stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=32, layout="HND", group=1,
                      q_lens=[1, 64, 128], kv_lens=[1, 100, 128], budget=0.1, delta=1.0)
     assert (stats.computed == 1).all() and (stats.skipped == 0).all()
+
+
+@pytest.mark.parametrize("dtype,head_dim,layout", [(torch.bfloat16, 128, "NHD"), (torch.float16, 64, "HND")])
+def test_q_and_o_as_views_into_wider_rows(dtype, head_dim, layout):
+    run_case(dtype=dtype, head_dim=head_dim, page_size=16, layout=layout, group=4,
+             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=0.7, delta=0.5, inputs=skewed_inputs, fused=True)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
