@@ -125,8 +125,8 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
     o, lse = cosa.run(plan, q, cache, out=out, lse=lse, return_lse=True)
     assert o is out
     if fused:  # the reference follows the plan's order, so check KAP's reading of q on its own
-        order = plan.order.clone()
-        assert torch.equal(cosa.order_mask(plan, q.contiguous(), cache), order), "KAP misread q's view"
+        order_from_view = plan.order.clone()
+        assert torch.equal(cosa.order_mask(plan, q.contiguous(), cache), order_from_view), "KAP misread q's view"
     stats = plan.stats()
     o, lse, order = o.cpu().double(), lse.cpu().double(), plan.order.cpu()
     computed, skipped = stats.computed, stats.skipped
