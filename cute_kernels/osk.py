@@ -52,50 +52,57 @@ query head):
   every page size is a multiple of 16, so a box never crosses a page).  The order entry
   and the block's page indices are read before the ring slot is acquired, so that their
   latency hides under that wait.  Warp 2 loads V_j the same way (into a 3-stage ring:
-  the delta = 0 loop frees V_{j-1} one block late), but with stage 2 on only for the
-  blocks the consumers' vote computes (decisions reach it through a small smem ring,
-  ``PipelineAsync``): a skipped block costs no V traffic.  TMA cannot zero-fill keys
-  past kv_len inside a page, so for a partial last block the consumers zero those V
-  rows in smem before PV (masked K columns are overwritten with -inf).  Warps 0 and 1
-  bring into L2 the Q box and the first block's K and V of the tile one wave ahead
-  (``bid + %nsmid``), which would otherwise come from DRAM while its SM waits;
+  the turns below free V_{j-1} one block late), but once the consumers vote in lockstep
+  (stage 2, below) only for the blocks the vote computes (decisions reach it through a
+  small smem ring, ``PipelineAsync``): a skipped block there costs no V traffic.  TMA
+  cannot zero-fill keys past kv_len inside a page, so for a partial last block the
+  consumers zero those V rows in smem before PV (masked K columns are overwritten with
+  -inf).  Warps 0 and 1 bring into L2 the Q box and the first block's K and V of the
+  tile one wave ahead (``bid + %nsmid``), which would otherwise come from DRAM while its
+  SM waits;
 - warp groups 1 and 2, the consumers, own query rows 0-63 and 64-127.  Per block:
-  S = Q K_j^T with ``wgmma`` (SS), masking, the row max, the stage-2 vote, and,
-  unless the tile skips the block, the online softmax and O += P V_j with ``wgmma``
-  (P from registers, V from smem, MN-major), PV of a computed block issued one
-  block late so that it runs under the next block's vote and softmax.  The vote
+  S = Q K_j^T with ``wgmma`` (SS), masking, with stage 2 the row max and the vote, and,
+  unless the tile skips the block, the online softmax and O += P V_j with ``wgmma`` (P
+  from registers, V from smem, MN-major), PV of a computed block issued one block late.
+  The groups start by taking turns on the tensor cores, as FA3 does: the GEMMs [QK_j,
+  PV_{j-1}] of one run under the other's softmax (two named barriers), and each group
+  issues PV_{j-1} together with QK_j, waiting for V_{j-1} between the two, where the wait
+  hides under QK_j instead of lengthening the softmax path.  P alternates between two
+  register buffers, so that P_j is written while PV_{j-1} still reads P_{j-1}: the
+  softmax never waits for PV_{j-1} (only a redo, below, rescales O), and V_{j-1} is freed
+  after the wait that QK_{j+1} needs anyway.  The turns' softmax needs no block max: P
+  is taken against the reference as it stands, and kept, with no rescale of O, when no
+  thread's sum of a row's P over the block exceeds ``STALE_SUM_MAX`` (then no P does);
+  otherwise the warp redoes the block exactly (max, rescale).
+  With delta = 0 (no vote, no skip) the groups take turns to the end.  With stage 2 they
+  take turns while neither knows of a skip, which covers most of the blocks a tile
+  computes: group 1, half a turn behind, has group 0's vote on a block when it takes its
+  own, so it knows the decision before its softmax; group 0 takes its softmax first,
+  keeps the block's row sums aside, and reads the decision in its next turn, before PV.
+  Once both know of a skip, at the top of a pair of blocks, the next block's QK goes in
+  the last turn and the groups vote in lockstep from there (the vote loop), where skip
+  streaks are: the vote holds the groups together on skipped blocks anyway.  The vote
   loop computes S in two 64-key halves: the next block's low half is issued right
   before this block's vote, so that it runs under the vote (the K block behind it is
   waited for first; past the last block it reads a stale stage and is discarded), and
   its high half as soon as this block's S is dead, before the loop top (after a skipped
   block with no PV pending, right behind the low half, without waiting for it).  That loop
   knows each computed block's max before its softmax, so it keeps P's reference (and O
-  unrescaled) while no P of the block would exceed 2^8 against it; the skip rule reads
-  the exact running max, kept beside it.  With
-  delta = 0 (no vote, no skip) a separate loop schedules like FA3: the two groups
-  take turns on the tensor cores (two named barriers; one group's GEMMs run under
-  the other's softmax) and each issues PV_{j-1} together with QK_j, waiting for V_{j-1}
-  between the two, where the wait hides under QK_j instead of lengthening the softmax path.
-  P alternates between two register buffers, so that P_j is written while PV_{j-1} still
-  reads P_{j-1}: the softmax never waits for PV_{j-1} (only a redo, below, rescales O), and
-  V_{j-1} is freed after the wait that QK_{j+1} needs anyway.
-  That loop needs no block max (it decides nothing): P is taken against the reference
-  as it stands, and kept, with no rescale of O, when no thread's sum of a row's P over the
-  block exceeds ``STALE_SUM_MAX`` (then no P does); otherwise the warp redoes the block
-  exactly (max, rescale).  In both loops the reference may lag the running max: P, the
-  sums and O are taken against it, and the LSE adds it back.
+  unrescaled) while no P of the block would exceed 2^8 against it.  The skip rule reads
+  the exact running max, kept beside the reference.  In both schedules the reference may
+  lag the running max: P, the sums and O are taken against it, and the LSE adds it back.
 
 Skip rule (SPEC stage 2): after S = sm_scale * Q K_j^T (masked), per row
 ``mloc = rowmax(S)``; the tile skips block j iff it is not the first visited
 block and ``max over valid rows (mloc - m) < thr``, where a row whose block
 logits are all masked contributes ``-inf``.  One decision per tile, but only the
 warps that would skip wait for it: a consumer warp ORs its threads' tests (``vote.any``),
-each on the maxima of its own elements of its rows (the quad's shuffles that make them the
-rows' maxima run only for a computed block, whose softmax needs them);
+each on the maxima of its own elements of its rows (in the vote loop the quad's shuffles
+that make them the rows' maxima run only for a computed block, whose softmax needs them);
 a warp with a row that computes knows the tile computes, so it marks the block in shared
 memory, arrives on the block's named barrier and goes on, while a warp whose rows all
-skip syncs on that barrier and then reads the mark.  A skipped block does no exp, no
-PV and loads no V.
+skip syncs on that barrier and then reads the mark (group 0 in the turns reads it a
+turn later).  A block skipped in the vote loop does no exp, no PV and loads no V.
 
 Compile-time specialisation: (dtype, head_dim) only.  Page size (as a shift), all
 strides, NHD/HND (a permuted view), causal, the GQA group, batch shape and scalars
@@ -152,11 +159,13 @@ BAR_EPILOGUE = 2
 BAR_VFIX = 3
 BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it, by it % VOTE_SLOTS
+BAR_DECIDED = 12  # 12 to 12 + VOTE_SLOTS - 1: group 1 has the decision on block it (stage-2 turns)
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
 BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 3  # the delta = 0 loop frees V(j-1) only after QK(j+1): one stage more than K
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
+NOT_YET = 1 << 30  # a block index not known yet (the V warp's first block after the turns)
 # A computing warp runs ahead of the vote's waiters only as far as the K ring lets it: it gets
 # K(j + k_stages + 1) once every consumer warp has released K(j + 1), after its vote on block j.
 # So with more slots than K stages a vote slot is reused only once all warps are done with it
@@ -236,8 +245,8 @@ class PlanTables:
 
 @dataclass(frozen=True)
 class TileWalk:
-    """What a consumer's walk over the tile's blocks uses: the first block's helper (both
-    loops) and every block of the delta = 0 loop, whose two call sites alternate."""
+    """What a consumer's walk over the tile's blocks uses: the first block's helper and every
+    block taken in turns (both loops' turns; their two call sites alternate P's buffers)."""
 
     pipe_k: pipeline.PipelineTmaAsync
     pipe_v: pipeline.PipelineTmaAsync
@@ -258,6 +267,10 @@ class TileWalk:
     tiled_copy_o: cute.TiledCopy
     sV: cute.Tensor
     ctid: Int32
+    sVote: cute.Tensor       # the stage-2 votes' marks (``_vote``)
+    sDecision: cute.Tensor   # the stage-2 decisions for the V warp (1 = skipped), by ``pipe_decision``
+    pipe_decision: pipeline.PipelineAsync
+    block_sum: cute.Tensor   # group 0's row sums of the block whose decision it awaits (stage-2 turns)
 
 
 def _reduce_by_threes(values: list, op):
@@ -571,8 +584,18 @@ class OSKForward:
         """Consumer pipeline state of the b-th K block (stage b % S, phase (b // S) & 1)."""
         return pipeline.PipelineState(self.k_stages, b, b % self.k_stages, (b // self.k_stages) & 1)
 
+    def _decision_state(self, b, producer: cutlass.Constexpr):
+        """State of the stage-2 decision on block b >= 1 in the ring from the consumers (the
+        producer side) to the V warp, as ``advance()`` from the ring's start reaches it."""
+        n = b - 1
+        phase = (n // DECISION_SLOTS) & 1
+        if const_expr(producer):
+            phase = phase ^ 1  # a producer starts on the ring's empty phase
+        return pipeline.PipelineState(DECISION_SLOTS, n, n % DECISION_SLOTS, phase)
+
     def _v_state(self, b):
-        """... of the b-th V block (every visited block with delta = 0, else every computed one)."""
+        """... of the b-th V block (every visited block while the groups take turns, then every
+        computed one)."""
         return pipeline.PipelineState(self.v_stages, b, b % self.v_stages, (b // self.v_stages) & 1)
 
     @cute.jit
@@ -669,28 +692,34 @@ class OSKForward:
             t.mloc[r] = cute.arch.fmax(mx, cute.arch.shuffle_sync_bfly(mx, offset=1))
 
     @cute.jit
-    def _vote(self, t: TileRows, want, it, sVote):
-        """The tile-wide stage-2 decision on block ``it`` (after the first; True = skip).  A
-        warp with a row that computes knows the answer: it marks the block in sVote, arrives
-        on the block's barrier and goes on.  Only a warp whose rows all skip waits, until
-        every consumer warp has voted, then reads the mark.  Only the stage-2 loop votes: the
-        first block is never skipped, and with delta = 0 no block is, so the ping-pong loop
-        has no barrier coupling the two groups."""
+    def _vote(self, t: TileRows, want, it, sVote, waits=True):
+        """The tile-wide stage-2 decision on block ``it`` (after the first): whether the tile
+        computes it, as far as this warp knows.  A warp with a row that computes knows the
+        answer: it marks the block in sVote, arrives on the block's barrier and goes on.  A
+        warp whose rows all skip waits, until every consumer warp has voted, then reads the
+        mark; with ``waits`` false (group 0 in the stage-2 turns, which reads the decision a
+        turn later, ``_decided``) it arrives instead and returns its own vote.  The first
+        block is never skipped, and with delta = 0 no block is, so the delta = 0 loop has no
+        barrier coupling the two groups."""
         slot = it % VOTE_SLOTS
         computes = cute.arch.vote_any_sync(want >= t.thr)
         if computes:
             if cute.arch.lane_idx() == 0:
                 sVote[slot] = it  # every computing warp writes the same value
             nvvm_x.barrier_cta_arrive(BAR_VOTE + slot, thread_count=NUM_CONSUMER_THREADS)
-        else:
+        elif waits:
             nvvm_x.barrier_cta_sync(BAR_VOTE + slot, thread_count=NUM_CONSUMER_THREADS)
             computes = sVote[slot] == it
-        return not computes
+        else:
+            nvvm_x.barrier_cta_arrive(BAR_VOTE + slot, thread_count=NUM_CONSUMER_THREADS)
+        return computes
 
     @cute.jit
-    def _softmax(self, t: TileRows, acc_S, corr):
+    def _softmax(self, t: TileRows, acc_S, corr, block_sum=None):
         """Online-softmax update of row_ref/row_sum to the block's max; S -> P in place;
-        writes into corr the per-row factor by which O must be rescaled."""
+        writes into corr the per-row factor by which O must be rescaled.  Given ``block_sum``,
+        the block's row sums go there and row_sum is only rescaled (``_count_block`` adds
+        them once the tile computes the block)."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
             m_prev = t.row_ref[r]
@@ -701,7 +730,11 @@ class OSKForward:
             c = cute.math.exp2((m_prev - m_use) * LOG2_E, fastmath=True)
             p = self._p_row(t, acc_S_mn, r, m_use)
             acc_S_mn[r, None] = p
-            t.row_sum[r] = t.row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            if const_expr(block_sum is None):
+                t.row_sum[r] = t.row_sum[r] * c + p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
+            else:
+                t.row_sum[r] = t.row_sum[r] * c
+                block_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             t.row_ref[r] = m_new
             corr[r] = c
 
@@ -733,14 +766,14 @@ class OSKForward:
         return not kept
 
     @cute.jit
-    def _softmax_stale(self, t: TileRows, acc_S, rP_mn):
-        """The delta = 0 loop's softmax of masked S without the block's max: P against the
-        reference (row_ref) as it stands, into rP_mn (a buffer no wgmma in flight reads).  Kept -- row
-        sums updated, O needing no rescale -- when every thread of the warp sums each of its
-        rows to at most STALE_SUM_MAX; otherwise nothing but rP_mn is written, and the caller
-        redoes the block exactly.  Returns whether it was kept (uniform over the warp)."""
+    def _softmax_stale(self, t: TileRows, acc_S, rP_mn, block_sum):
+        """The turns' softmax of masked S without the block's max: P against the reference
+        (row_ref) as it stands, into rP_mn (a buffer no wgmma in flight reads), and its row
+        sums into block_sum.  P may be kept -- O needing no rescale -- when every thread of the
+        warp sums each of its rows to at most STALE_SUM_MAX; otherwise the caller redoes the
+        block exactly.  Returns whether it may (uniform over the warp); row_sum is the
+        caller's to update."""
         acc_S_mn = cute.make_tensor(acc_S.iterator, _mn_layout(acc_S.layout))
-        block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
         ok = cutlass.Boolean(True)
         for r in cutlass.range_constexpr(cute.size(t.mloc)):
             m_ref = t.row_ref[r]
@@ -752,37 +785,41 @@ class OSKForward:
             block_sum[r] = p.reduce(cute.ReductionOp.ADD, Float32.zero, 0)
             ok = ok and block_sum[r] <= limit  # false for NaN
             rP_mn[r, None] = p.to(rP_mn.element_type)
-        kept = cute.arch.vote_all_sync(ok)
-        if kept:
-            for r in cutlass.range_constexpr(cute.size(t.mloc)):
-                t.row_sum[r] = t.row_sum[r] + block_sum[r]
-        return kept
+        return cute.arch.vote_all_sync(ok)
 
     @cute.jit
-    def _first_block(self, walk: TileWalk, t: TileRows, rP, pingpong: cutlass.Constexpr):
-        """The tile's first listed block, never skipped: QK (in the group's turn when
-        ``pingpong``), mask, max, the loop's softmax (O = 0: no rescale) and P into ``rP``.
-        Returns S, the block's first key and the block listed next."""
+    def _add_row_sums(self, t: TileRows, block_sum):
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            t.row_sum[r] = t.row_sum[r] + block_sum[r]
+
+    @cute.jit
+    def _count_block(self, t: TileRows, block_sum):
+        """A block taken in the stage-2 turns turns out computed: its row sums, which its
+        softmax left aside, join row_sum, and its max (mloc) the exact running max."""
+        self._add_row_sums(t, block_sum)
+        for r in cutlass.range_constexpr(cute.size(t.mloc)):
+            t.row_max[r] = cute.arch.fmax(t.row_max[r], t.mloc[r] * t.sm_scale)
+
+    @cute.jit
+    def _first_block(self, walk: TileWalk, t: TileRows, rP):
+        """The tile's first listed block, never skipped: QK in the group's first turn, mask,
+        max, softmax (O = 0: no rescale) and P into ``rP``.  Returns the block's first key and
+        the block listed next."""
         kst = self._k_state(Int32(0))
         walk.pipe_k.consumer_wait(kst)
-        if const_expr(pingpong):
-            self._sched_wait(walk.wg)
+        self._sched_wait(walk.wg)
         acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
         self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
-        if const_expr(pingpong):
-            self._sched_arrive(walk.wg)
+        self._sched_arrive(walk.wg)
         warpgroup.wait_group(0)
         walk.pipe_k.consumer_release(kst)
         jstart = walk.plan.mOrder[walk.qt, walk.head, 0] * TILE_N
         j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, Int32(1), walk.num_sel)
         self._mask(t, acc_S, jstart)
         self._block_max(t, acc_S)
-        if const_expr(pingpong):
-            self._softmax(t, acc_S, walk.corr)
-        else:
-            self._softmax_lagged(t, acc_S, walk.corr)  # sets both maxima
+        self._softmax(t, acc_S, walk.corr)
         rP.store(acc_S.load().to(self.dtype))
-        return acc_S, jstart, j_next
+        return jstart, j_next
 
     @cute.jit
     def _pingpong_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new):
@@ -804,7 +841,10 @@ class OSKForward:
         if it >= 2:
             walk.pipe_v.consumer_release(self._v_state(it - 2))
         self._mask(t, acc_S, jstart)
-        if not self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout))):
+        block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
+        if self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout)), block_sum):
+            self._add_row_sums(t, block_sum)
+        else:
             self._block_max(t, acc_S)
             self._softmax(t, acc_S, walk.corr)
             warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
@@ -813,6 +853,103 @@ class OSKForward:
         if t.kv_len - jstart < TILE_N:
             self._wait_v(walk.pipe_v, self._v_state(it), walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - jstart)
         return j_next
+
+    @cute.jit
+    def _stage2_turn_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new, computes_prev,
+                           computed):
+        """Block ``it`` in turns with stage 2 on: ``_pingpong_block``'s schedule, the skip rule
+        decided one step late for group 0.  Group 1 runs half a turn behind: it has group 0's
+        vote on the block when it takes its own, so it knows the decision before its softmax
+        (taken only for a computed block), posts it to the V warp and to group 0
+        (BAR_DECIDED).  Group 0 takes its softmax before the decision, keeps the block's row
+        sums aside (``walk.block_sum``) and reads the decision in its next turn, under
+        QK(it+1), before PV(it) (``_decided``).  A redo rescales O and the sums and raises the
+        reference, which holds whether or not the block is then computed.  Returns the block
+        listed after the next, the decision on ``it`` (group 0: its own vote, until
+        ``_decided``), the computed count, the decision on ``it - 1`` (now known to both
+        groups) and the block's first key."""
+        jstart = j_next * TILE_N
+        j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
+        v_prev = self._v_state(it - 1)
+        kst = self._k_state(it)
+        walk.pipe_k.consumer_wait(kst)
+        self._sched_wait(walk.wg)
+        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
+        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        if walk.wg == 0 and it >= 2:
+            computes_prev, computed = self._decided(t, it - 1, walk, computed)
+        walk.pipe_v.consumer_wait(v_prev)
+        if computes_prev:
+            self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_prev, walk.tOrVt, v_prev.index)
+        else:
+            warpgroup.commit_group()  # an empty group: the waits below count as with PV
+        self._sched_arrive(walk.wg)
+        warpgroup.wait_group(1)  # QK(it) done, and PV(it-2) before it: V(it-2) is free
+        walk.pipe_k.consumer_release(kst)
+        if it >= 2:
+            walk.pipe_v.consumer_release(self._v_state(it - 2))
+        self._mask(t, acc_S, jstart)
+        want = self._thread_max(t, acc_S)
+        self._quad_max(t)
+        computes = self._vote(t, want, it, walk.sVote, waits=walk.wg == 1)
+        if walk.wg == 1:
+            if walk.ctid == NUM_CONSUMER_THREADS // 2:
+                d_state = self._decision_state(it, producer=True)
+                walk.pipe_decision.producer_acquire(d_state)
+                walk.sDecision[d_state.index] = Int32(not computes)
+                walk.pipe_decision.producer_commit(d_state)
+            nvvm_x.barrier_cta_arrive(BAR_DECIDED + it % VOTE_SLOTS, thread_count=NUM_CONSUMER_THREADS)
+        if walk.wg == 0 or computes:
+            if not self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout)),
+                                       walk.block_sum):
+                self._softmax(t, acc_S, walk.corr, walk.block_sum)
+                warpgroup.wait_group(0)  # PV(it-1) done: O may be rescaled
+                self._rescale_o(walk.acc_O_mn, walk.corr)
+                rP_new.store(acc_S.load().to(rP_new.element_type))
+            if walk.wg == 1:
+                computed = computed + 1
+                self._count_block(t, walk.block_sum)
+        if t.kv_len - jstart < TILE_N:
+            self._wait_v(walk.pipe_v, self._v_state(it), walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - jstart)
+        return j_next, computes, computed, computes_prev, jstart
+
+    @cute.jit
+    def _decided(self, t: TileRows, b, walk: TileWalk, computed):
+        """Group 0 in the stage-2 turns, before PV(b): wait until group 1 has the decision on
+        block b, read it, and count a computed block (mloc still holds b's maxima)."""
+        slot = b % VOTE_SLOTS
+        nvvm_x.barrier_cta_sync(BAR_DECIDED + slot, thread_count=NUM_CONSUMER_THREADS)
+        computes = walk.sVote[slot] == b
+        if computes:
+            computed = computed + 1
+            self._count_block(t, walk.block_sum)
+        return computes, computed
+
+    @cute.jit
+    def _last_turn(self, walk: TileWalk, t: TileRows, tOrP, tOrP_alt, computes_last, computed,
+                   stage2: cutlass.Constexpr):
+        """The turns' end, past the last block: its PV (P in tOrP for an odd number of blocks,
+        else in tOrP_alt) unless the tile skips it (``stage2``: group 0 reads that decision
+        here), and V freed.  Returns the computed count."""
+        num_sel = walk.num_sel
+        v_last = self._v_state(num_sel - 1)
+        self._sched_wait(walk.wg)
+        if const_expr(stage2):
+            if walk.wg == 0 and num_sel >= 2:
+                computes_last, computed = self._decided(t, num_sel - 1, walk, computed)
+        walk.pipe_v.consumer_wait(v_last)
+        if computes_last:
+            if num_sel % 2 == 1:
+                self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_last.index)
+            else:
+                self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_alt, walk.tOrVt, v_last.index)
+        if walk.wg == 0:  # group 1's last wait needs it; group 0 has no wait left
+            self._sched_arrive(walk.wg)
+        warpgroup.wait_group(0)
+        if num_sel > 1:
+            walk.pipe_v.consumer_release(self._v_state(num_sel - 2))
+        walk.pipe_v.consumer_release(v_last)
+        return computed
 
     @cute.jit
     def _rescale_o(self, acc_O_mn, corr):
@@ -933,22 +1070,38 @@ class OSKForward:
                     self._load_block(pipe_k, k_state, k_src, k_views, pages, j * TILE_N)
                     k_state.advance()
             elif warp_idx == V_PRODUCER_WARP:
-                # V of the blocks the consumers compute: with stage 2 on, a block's V is loaded
-                # only once the vote has decided to compute it (the first block always is)
+                # V of the blocks the consumers may compute.  With stage 2 on they take turns
+                # up to block E - 1 (E: the first odd block two or more past the first skip) and
+                # PV each of those blocks they compute in the next turn, so V of every block
+                # before E is loaded; from E on a block's V is loaded only once the vote has
+                # decided to compute it.  Until E is known, the decision on block it - 2 is read
+                # when V(it) is due: known by then in the turns, so the read does not wait
                 v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
-                d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, DECISION_SLOTS)
                 j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
+                first_vote = Int32(NOT_YET)  # E
+                n_read = Int32(1)  # the block whose decision is read next
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
                     j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
                     pages = self._block_pages(plan.mBlockPages, blk_base + j, j * TILE_N, kv_len, page_shift)
                     needed = cutlass.Boolean(True)
-                    if it > 0 and log_delta != -Float32.inf:
-                        pipe_decision.consumer_wait(d_state)
-                        needed = sDecision[d_state.index] == 0
-                        pipe_decision.consumer_release(d_state)
-                        d_state.advance()
+                    if log_delta != -Float32.inf:
+                        if first_vote == NOT_YET and it >= 3:
+                            d_state = self._decision_state(n_read, producer=False)
+                            pipe_decision.consumer_wait(d_state)
+                            if sDecision[d_state.index] != 0:
+                                first_vote = (n_read + 2) | 1
+                            pipe_decision.consumer_release(d_state)
+                            n_read = n_read + 1
+                        if it >= first_vote:
+                            for _ in cutlass.range_constexpr(3):  # the decisions up to block it
+                                if n_read <= it:
+                                    d_state = self._decision_state(n_read, producer=False)
+                                    pipe_decision.consumer_wait(d_state)
+                                    needed = sDecision[d_state.index] == 0
+                                    pipe_decision.consumer_release(d_state)
+                                    n_read = n_read + 1
                     if needed:
                         self._load_block(pipe_v, v_state, v_src, v_views, pages, j * TILE_N)
                         v_state.advance()
@@ -999,126 +1152,157 @@ class OSKForward:
             corr = cute.make_rmem_tensor((n_my_rows,), Float32)
             tile_rows = TileRows(tScS_mn, row_ref, row_max, row_sum, mloc, kv_len, rows, diag0, causal,
                                  sm_scale, scale_log2, thr)
-            # P of the block whose PV is still to be issued, as the A operand of PV (the delta = 0
-            # loop alternates rP with rP_alt)
+            # P of the block whose PV is still to be issued, as the A operand of PV (taking turns,
+            # the groups alternate rP with rP_alt)
             rP = cute.make_fragment_like(cute.make_rmem_tensor(s_shape, Float32), dtype)
             tOrP = cute.make_tensor(rP.iterator, _frgA_layout(rP.layout))
+            rP_alt = cute.make_fragment_like(rP)
+            tOrP_alt = cute.make_tensor(rP_alt.iterator, _frgA_layout(rP_alt.layout))
             walk = TileWalk(pipe_k, pipe_v, wg, tiled_mma_qk, tSrQ, tSrK, s_shape, tiled_mma_pv, acc_O, acc_O_mn,
-                          tOrVt, corr, plan, qt, head, num_sel, tiled_copy_o, sV, ctid)
-            if thr == -Float32.inf and num_sel > 0:
-                # delta = 0: no block is skipped and no vote couples the groups, so (as in
-                # FA3) the groups ping-pong -- the GEMMs [QK(j), PV(j-1)] of one run under the
-                # other's softmax -- and within a group PV(j-1) runs under softmax(j).  Turns:
-                # a group waits on its own barrier before issuing its GEMMs, then arrives on
-                # the other's; group 0 goes first.
+                            tOrVt, corr, plan, qt, head, num_sel, tiled_copy_o, sV, ctid, sVote, sDecision,
+                            pipe_decision, cute.make_rmem_tensor((n_my_rows,), Float32))
+            if num_sel > 0:
+                # The groups take turns on the tensor cores, as in FA3: the GEMMs [QK(j), PV(j-1)]
+                # of one run under the other's softmax, and within a group PV(j-1) runs under
+                # softmax(j).  A group waits on its own barrier before issuing its GEMMs, then
+                # arrives on the other's; group 0 goes first.
                 if wg == 0:  # group 0's first turn: arrive on its own barrier
                     self._sched_arrive(1)
-                acc_S, jstart, j_next = self._first_block(walk, tile_rows, rP, pingpong=True)
+                jstart, j_next = self._first_block(walk, tile_rows, rP)
                 # V is waited for inside a turn, under QK; only a partial block's V, whose tail
                 # zeroing synchronises both groups, is waited for (and zeroed) before the turn
                 if kv_len - jstart < TILE_N:
                     self._wait_v(pipe_v, self._v_state(Int32(0)), tiled_copy_o, sV, ctid, kv_len - jstart)
-                rP_alt = cute.make_fragment_like(rP)
-                tOrP_alt = cute.make_tensor(rP_alt.iterator, _frgA_layout(rP_alt.layout))
-                for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
-                    j_next = self._pingpong_block(walk, tile_rows, it, j_next, tOrP, rP_alt)
-                    if it + 1 < num_sel:
-                        j_next = self._pingpong_block(walk, tile_rows, it + 1, j_next, tOrP_alt, rP)
-                v_last = self._v_state(num_sel - 1)
-                self._sched_wait(wg)
-                pipe_v.consumer_wait(v_last)
-                if num_sel % 2 == 1:
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_last.index)
+                if thr == -Float32.inf:
+                    # delta = 0: no block is skipped and no vote couples the groups, so they take
+                    # turns to the end
+                    for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
+                        j_next = self._pingpong_block(walk, tile_rows, it, j_next, tOrP, rP_alt)
+                        if it + 1 < num_sel:
+                            j_next = self._pingpong_block(walk, tile_rows, it + 1, j_next, tOrP_alt, rP)
+                    computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, True, num_sel, stage2=False)
                 else:
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP_alt, tOrVt, v_last.index)
-                if wg == 0:  # group 1's last wait needs it; group 0 has no wait left
-                    self._sched_arrive(wg)
-                warpgroup.wait_group(0)
-                if num_sel > 1:
-                    pipe_v.consumer_release(self._v_state(num_sel - 2))
-                pipe_v.consumer_release(v_last)
-                computed = num_sel
-            elif num_sel > 0:
-                # delta > 0: the vote holds the groups together on skipped blocks, so no
-                # ping-pong.  The vote on block j is posted to the V producer, which loads V
-                # only for computed blocks; PV of the last computed block (pending, always
-                # j - 1) is issued after the vote on j -- its V had QK(j) and the vote to
-                # arrive -- and runs under softmax(j).
-                acc_S, j_pending, j_next = self._first_block(walk, tile_rows, rP, pingpong=False)
-                computed = Int32(1)
-                pending = cutlass.Boolean(True)
-                d_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, DECISION_SLOTS)
-                # S of the block being voted on: its low 64 keys computed one iteration ahead
-                acc_lo = cute.make_tensor(acc_S.iterator, half_layout)
-                acc_hi = cute.make_tensor(acc_S.iterator + cute.size(half_layout), half_layout)
-                acc_next = cute.make_rmem_tensor(half_layout.shape, Float32)
-                knext = self._k_state(Int32(1))
-                if num_sel > 1:
-                    pipe_k.consumer_wait(knext)
-                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
-                warpgroup.wait_group(0)
-                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
-                acc_lo.store(acc_next.load())
-                for it in cutlass.range(1, num_sel, unroll=1):
-                    jstart = j_next * TILE_N
-                    j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
-                    kst = self._k_state(it)
-                    v_pending = self._v_state(computed - 1)  # V stages count computed blocks only
-                    warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
-                    pipe_k.consumer_release(kst)
-                    self._mask(tile_rows, acc_S, jstart)
-                    want = self._thread_max(tile_rows, acc_S)
-                    # the next block's low half runs under the vote (issued on every path, past the
-                    # last block on a stale stage whose result is never read)
-                    knext = self._k_state(it + 1)
-                    if it + 1 < num_sel:
-                        pipe_k.consumer_wait(knext)
-                    self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
-                    skip = self._vote(tile_rows, want, it, sVote)
-                    if ctid == 0:
-                        pipe_decision.producer_acquire(d_state)
-                        sDecision[d_state.index] = Int32(skip)
-                        pipe_decision.producer_commit(d_state)
-                    d_state.advance()
-                    # The next block's high half, as soon as S is dead (past the last block on a
-                    # stale stage, like the low half).  A skipped block with no PV pending has only
-                    # the low half in flight: the high half queues behind it, so that the tensor
-                    # cores go on from one to the other, and only the low half is waited for
-                    if skip and not pending:
-                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
-                        warpgroup.wait_group(1)
+                    # delta > 0.  Most blocks a tile computes come before its first skipped one
+                    # (bench/NOTES.md, session 31), so the groups go on taking turns, deciding one step
+                    # late (``_stage2_turn_block``), until both know of a skip: at the top of a pair
+                    # of blocks, block E, the first odd block two or more past the first skip.  Then
+                    # they vote in lockstep, from E on.
+                    for r in cutlass.range_constexpr(n_my_rows):
+                        row_max[r] = row_ref[r]  # the skip rule's running max: the first block's
+                    computes_prev = cutlass.Boolean(True)  # the decision on the block taken last
+                    computed = Int32(1)
+                    skip_known = Int32(0)  # a skip among the blocks up to it - 2, known to both groups
+                    j_prev = jstart
+                    it = Int32(1)
+                    while it < num_sel and skip_known == 0:  # odd blocks' P in rP_alt
+                        j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
+                            walk, tile_rows, it, j_next, tOrP, rP_alt, computes_prev, computed)
+                        skip_known = skip_known | Int32(not computes_before)
+                        if it + 1 < num_sel:
+                            j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
+                                walk, tile_rows, it + 1, j_next, tOrP_alt, rP, computes_prev, computed)
+                            skip_known = skip_known | Int32(not computes_before)
+                        it = it + 2
+                    if it >= num_sel:
+                        computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, computes_prev, computed,
+                                                   stage2=True)
                     else:
+                        # The switch keeps the tensor cores busy: block E's QK goes in the last turn,
+                        # in the vote loop's two halves, with PV(E-1) if the tile computes block E-1
+                        # (its P is in rP: E is odd).  Then the vote loop from E, S(E) done, no PV
+                        # pending
+                        first_vote = it
+                        acc_S = cute.make_rmem_tensor(s_shape, Float32)
+                        acc_lo = cute.make_tensor(acc_S.iterator, half_layout)
+                        acc_hi = cute.make_tensor(acc_S.iterator + cute.size(half_layout), half_layout)
+                        acc_next = cute.make_rmem_tensor(half_layout.shape, Float32)
+                        kst = self._k_state(first_vote)
+                        pipe_k.consumer_wait(kst)
+                        self._sched_wait(wg)
+                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, kst.index, acc_next)
+                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, kst.index, acc_hi)
+                        if wg == 0:
+                            computes_prev, computed = self._decided(tile_rows, first_vote - 1, walk, computed)
+                        v_prev = self._v_state(first_vote - 1)
+                        pipe_v.consumer_wait(v_prev)
+                        if computes_prev:
+                            self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
+                        if wg == 0:
+                            self._sched_arrive(wg)
+                        warpgroup.wait_group(0)
+                        pipe_v.consumer_release(self._v_state(first_vote - 2))
+                        pipe_v.consumer_release(v_prev)
+                        acc_lo.store(acc_next.load())
+                        # The vote holds the groups together on skipped blocks.  The vote on block j is
+                        # posted to the V producer, which loads V only for computed blocks; PV of the
+                        # last computed block (pending, always j - 1) is issued after the vote on j --
+                        # its V had QK(j) and the vote to arrive -- and runs under softmax(j).  V
+                        # stages count every block before E, then computed blocks only
+                        v_shift = first_vote - computed
+                        pending = cutlass.Boolean(False)
+                        j_pending = j_prev
+                        d_state = self._decision_state(first_vote, producer=True)
+                        for it in cutlass.range(first_vote, num_sel, unroll=1):
+                            jstart = j_next * TILE_N
+                            j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
+                            kst = self._k_state(it)
+                            v_pending = self._v_state(computed + v_shift - 1)
+                            warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
+                            pipe_k.consumer_release(kst)
+                            self._mask(tile_rows, acc_S, jstart)
+                            want = self._thread_max(tile_rows, acc_S)
+                            # the next block's low half runs under the vote (issued on every path, past
+                            # the last block on a stale stage whose result is never read)
+                            knext = self._k_state(it + 1)
+                            if it + 1 < num_sel:
+                                pipe_k.consumer_wait(knext)
+                            self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
+                            skip = not self._vote(tile_rows, want, it, sVote)
+                            if ctid == 0:
+                                pipe_decision.producer_acquire(d_state)
+                                sDecision[d_state.index] = Int32(skip)
+                                pipe_decision.producer_commit(d_state)
+                            d_state.advance()
+                            # The next block's high half, as soon as S is dead (past the last block on
+                            # a stale stage, like the low half).  A skipped block with no PV pending has
+                            # only the low half in flight: the high half queues behind it, so that the
+                            # tensor cores go on from one to the other, and only the low half is waited
+                            # for
+                            if skip and not pending:
+                                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
+                                warpgroup.wait_group(1)
+                            else:
+                                if pending:
+                                    self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
+                                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
+                                rescale = cutlass.Boolean(False)
+                                if not skip:
+                                    self._quad_max(tile_rows)
+                                    rescale = self._softmax_lagged(tile_rows, acc_S, corr)
+                                # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
+                                # reused (waited on both paths, so that ptxas sees O's readers ordered
+                                # after it and does not serialise the wgmmas)
+                                warpgroup.wait_group(0)
+                                if pending:
+                                    pipe_v.consumer_release(v_pending)
+                                if skip:
+                                    pending = cutlass.Boolean(False)
+                                else:
+                                    pending = cutlass.Boolean(True)
+                                    computed = computed + 1
+                                    j_pending = jstart
+                                    if rescale:
+                                        self._rescale_o(acc_O_mn, corr)
+                                    rP.store(acc_S.load().to(dtype))
+                                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
+                            acc_lo.store(acc_next.load())
+                        warpgroup.wait_group(0)  # the high half issued past the last block
                         if pending:
+                            v_pending = self._v_state(computed + v_shift - 1)
                             self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
                             self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
-                        rescale = cutlass.Boolean(False)
-                        if not skip:
-                            self._quad_max(tile_rows)
-                            rescale = self._softmax_lagged(tile_rows, acc_S, corr)
-                        # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
-                        # reused (waited on both paths, so that ptxas sees O's readers ordered
-                        # after it and does not serialise the wgmmas)
-                        warpgroup.wait_group(0)
-                        if pending:
+                            warpgroup.wait_group(0)
                             pipe_v.consumer_release(v_pending)
-                        if skip:
-                            pending = cutlass.Boolean(False)
-                        else:
-                            pending = cutlass.Boolean(True)
-                            computed = computed + 1
-                            j_pending = jstart
-                            if rescale:
-                                self._rescale_o(acc_O_mn, corr)
-                            rP.store(acc_S.load().to(dtype))
-                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
-                    acc_lo.store(acc_next.load())
-                warpgroup.wait_group(0)  # the high half issued past the last block
-                if pending:
-                    v_pending = self._v_state(computed - 1)
-                    self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
-                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
-                    warpgroup.wait_group(0)
-                    pipe_v.consumer_release(v_pending)
 
             # ---------------------------------------------------------- epilogue
             tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))

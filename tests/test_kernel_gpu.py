@@ -91,16 +91,40 @@ def repelling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, negativ
     return qkv
 
 
+def hidden_inputs(num_qo_heads, num_kv_heads, head_dim, generator):
+    """``make_batch``'s ``qkv`` where stage 2 computes blocks after skipping others: queries
+    along a direction u (one per kv head), and K's 128-key blocks of three kinds at random --
+    strong (along u), weak (skipped once a strong block has set the max) and hidden: rows
+    alternately along u and against it, as strong, so that their mean, which KAP scores, is
+    about 0 and they are listed after the weak blocks, while their maxima are the strong
+    blocks'."""
+    def qkv(_, q_len, kv_len):
+        blocks = -(-kv_len // 128)
+        u = torch.randn(num_kv_heads, head_dim, generator=generator, dtype=torch.float64)
+        u /= u.norm(dim=-1, keepdim=True)
+        kind = torch.randint(0, 3, (blocks,), generator=generator)  # 0 strong, 1 weak, 2 hidden
+        scale = torch.where(kind == 1, 0.5 * torch.rand(blocks, generator=generator, dtype=torch.float64), 5.0)
+        scale = scale.repeat_interleave(128)
+        scale[1::2] *= torch.where(kind.repeat_interleave(128)[1::2] == 2, -1.0, 1.0)
+        noise = partial(torch.randn, generator=generator, dtype=torch.float64)
+        q = 3 * head_dim ** 0.5 * u.repeat_interleave(num_qo_heads // num_kv_heads, 0) + 0.3 * noise(
+            q_len, num_qo_heads, head_dim)
+        k = scale[:kv_len, None, None] * u + 0.3 * noise(kv_len, num_kv_heads, head_dim)
+        return q, k, noise(kv_len, num_kv_heads, head_dim)
+    return qkv
+
+
 def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budget, delta,
              causal=True, combined=True, spare_pages=3, num_qo_heads=8, inputs=None,
-             dense=False, device="cuda", fused=False):
+             dense=False, device="cuda", fused=False, visits=None):
     """Run one batch on the GPU and compare it with the float64 reference; returns the
     stats.  ``inputs``: a factory of ``make_batch``'s ``qkv`` (``skewed_inputs``), called
     as ``inputs(num_qo_heads, num_kv_heads, head_dim, generator)``.  ``dense``: the
     reference is dense attention (needs budget 1, delta 0).  ``device``: where the batch and
     the plan live.  ``fused``: q and o are views into wider rows, as a fused QKV projection
     and an engine's output buffer give them; o's row holds one more (poisoned) head, which
-    must stay unwritten."""
+    must stay unwritten.  ``visits``: a list that receives, per request, the reference's
+    listed and computed blocks (bool, shaped like the request's order)."""
     seed = torch.seed()
     print(f"seed={seed}")
     g = torch.Generator().manual_seed(seed)
@@ -152,8 +176,12 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
             ref_c = stats.selected[tiles, None].expand_as(computed[tiles])
             ref_s = torch.zeros_like(ref_c)
         else:
+            visited = torch.zeros(order[tiles].shape, dtype=torch.bool)
             ref_o, ref_lse, ref_c, ref_s = reference.ordered_skip_attention(
-                q64, k64, v64, order[tiles], causal=causal, sm_scale=plan.sm_scale, delta=delta)
+                q64, k64, v64, order[tiles], causal=causal, sm_scale=plan.sm_scale, delta=delta,
+                visited=visited)
+            if visits is not None:
+                visits.append((order[tiles] >= 0, visited))
         same = (computed[tiles] == ref_c) & (skipped[tiles] == ref_s)    # [tiles, hq]
         flips += int((~same).sum())
         row_same = same.repeat_interleave(128, 0)[:q64.shape[0]]          # [q_len, hq]
@@ -247,6 +275,30 @@ def test_negative_logits(dtype, head_dim, page_size, layout, delta):
     assert min(negative_shares) > 0.99, "the inputs are built so that nearly every logit is negative"
     if delta > 0:
         assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
+
+
+@pytest.mark.parametrize("dtype,head_dim,page_size,layout", [
+    (torch.bfloat16, 128, 64, "NHD"), (torch.float16, 64, 16, "HND"),
+])
+def test_blocks_computed_after_a_skip(dtype, head_dim, page_size, layout):
+    # The kernel takes a tile's blocks in turns until both of its warp groups know of a skip,
+    # then in lockstep (the vote loop), from the first odd position two or three past the first
+    # skip.  So the batch must have first skips at odd and even positions, and blocks computed
+    # three or more positions after them.
+    visits = []
+    run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
+             q_lens=[300, 640, 1, 1100], kv_lens=[2000, 640, 1500, 1100], budget=1.0, delta=0.5,
+             inputs=hidden_inputs, visits=visits)
+    first_skip_parities, computed_after = set(), 0
+    for listed, visited in visits:
+        for listed_row, visited_row in zip(listed.flatten(0, 1), visited.flatten(0, 1)):
+            skipped = (listed_row & ~visited_row).nonzero()
+            if len(skipped):
+                first_skip = int(skipped[0])
+                first_skip_parities.add(first_skip % 2)
+                computed_after += bool(visited_row[first_skip + 3:].any())
+    assert first_skip_parities == {0, 1}, "the inputs are built so that first skips fall at both parities"
+    assert computed_after > 0, "the inputs are built so that blocks are computed after skips"
 
 
 def test_non_causal_equals_dense():
