@@ -1075,11 +1075,14 @@ class OSKForward:
                 # PV each of those blocks they compute in the next turn, so V of every block
                 # before E is loaded; from E on a block's V is loaded only once the vote has
                 # decided to compute it.  Until E is known, the decision on block it - 2 is read
-                # when V(it) is due: known by then in the turns, so the read does not wait
+                # when V(it) is due: known by then in the turns, so the read does not wait.  Where
+                # a block spans pages, E = 1 (the consumers' ``turns_over``)
                 v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
                 first_vote = Int32(NOT_YET)  # E
+                if page_shift < BLOCK_SHIFT:
+                    first_vote = Int32(1)
                 n_read = Int32(1)  # the block whose decision is read next
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
@@ -1191,17 +1194,20 @@ class OSKForward:
                         row_max[r] = row_ref[r]  # the skip rule's running max: the first block's
                     computes_prev = cutlass.Boolean(True)  # the decision on the block taken last
                     computed = Int32(1)
-                    skip_known = Int32(0)  # a skip among the blocks up to it - 2, known to both groups
+                    # A skip among the blocks up to it - 2 is known to both groups -- or a block spans
+                    # pages: there the turns cost stage 2 more than they save (bench/NOTES.md,
+                    # session 32), and the tile votes from block 1 on
+                    turns_over = Int32(page_shift < BLOCK_SHIFT)
                     j_prev = jstart
                     it = Int32(1)
-                    while it < num_sel and skip_known == 0:  # odd blocks' P in rP_alt
+                    while it < num_sel and turns_over == 0:  # odd blocks' P in rP_alt
                         j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
                             walk, tile_rows, it, j_next, tOrP, rP_alt, computes_prev, computed)
-                        skip_known = skip_known | Int32(not computes_before)
+                        turns_over = turns_over | Int32(not computes_before)
                         if it + 1 < num_sel:
                             j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
                                 walk, tile_rows, it + 1, j_next, tOrP_alt, rP, computes_prev, computed)
-                            skip_known = skip_known | Int32(not computes_before)
+                            turns_over = turns_over | Int32(not computes_before)
                         it = it + 2
                     if it >= num_sel:
                         computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, computes_prev, computed,
@@ -1221,7 +1227,7 @@ class OSKForward:
                         self._sched_wait(wg)
                         self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, kst.index, acc_next)
                         self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, kst.index, acc_hi)
-                        if wg == 0:
+                        if wg == 0 and first_vote > 1:
                             computes_prev, computed = self._decided(tile_rows, first_vote - 1, walk, computed)
                         v_prev = self._v_state(first_vote - 1)
                         pipe_v.consumer_wait(v_prev)
@@ -1230,7 +1236,8 @@ class OSKForward:
                         if wg == 0:
                             self._sched_arrive(wg)
                         warpgroup.wait_group(0)
-                        pipe_v.consumer_release(self._v_state(first_vote - 2))
+                        if first_vote > 1:
+                            pipe_v.consumer_release(self._v_state(first_vote - 2))
                         pipe_v.consumer_release(v_prev)
                         acc_lo.store(acc_next.load())
                         # The vote holds the groups together on skipped blocks.  The vote on block j is
