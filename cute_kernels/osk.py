@@ -806,11 +806,7 @@ class OSKForward:
         """The tile's first listed block, never skipped: QK in the group's first turn, mask,
         max, softmax (O = 0: no rescale) and P into ``rP``.  Returns the block's first key and
         the block listed next."""
-        kst = self._k_state(Int32(0))
-        walk.pipe_k.consumer_wait(kst)
-        self._sched_wait(walk.wg)
-        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
-        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        acc_S, kst = self._turn_qk(walk, Int32(0))
         self._sched_arrive(walk.wg)
         warpgroup.wait_group(0)
         walk.pipe_k.consumer_release(kst)
@@ -823,24 +819,37 @@ class OSKForward:
         return jstart, j_next
 
     @cute.jit
+    def _turn_qk(self, walk: TileWalk, it):
+        """Block ``it``'s turn, up to its PV: K(it) and the turn waited for, QK(it) issued.
+        Returns S and K(it)'s state."""
+        kst = self._k_state(it)
+        walk.pipe_k.consumer_wait(kst)
+        self._sched_wait(walk.wg)
+        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
+        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        return acc_S, kst
+
+    @cute.jit
+    def _turn_end(self, walk: TileWalk, it, kst):
+        """Block ``it``'s turn handed on once its GEMMs are issued; then QK(it) waited for, and
+        PV(it-2) before it, so that K(it) and V(it-2) are free."""
+        self._sched_arrive(walk.wg)
+        warpgroup.wait_group(1)
+        walk.pipe_k.consumer_release(kst)
+        if it >= 2:
+            walk.pipe_v.consumer_release(self._v_state(it - 2))
+
+    @cute.jit
     def _pingpong_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new):
         """Block ``it`` of the delta = 0 loop: QK(it) with PV(it-1) from tOrP_prev in one turn,
         then P(it) into the other buffer, rP_new.  Returns the block listed after the next."""
         jstart = j_next * TILE_N
         j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
         v_prev = self._v_state(it - 1)
-        kst = self._k_state(it)
-        walk.pipe_k.consumer_wait(kst)
-        self._sched_wait(walk.wg)
-        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
-        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        acc_S, kst = self._turn_qk(walk, it)
         walk.pipe_v.consumer_wait(v_prev)
         self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_prev, walk.tOrVt, v_prev.index)
-        self._sched_arrive(walk.wg)
-        warpgroup.wait_group(1)  # QK(it) done, and PV(it-2) before it: V(it-2) is free
-        walk.pipe_k.consumer_release(kst)
-        if it >= 2:
-            walk.pipe_v.consumer_release(self._v_state(it - 2))
+        self._turn_end(walk, it, kst)
         self._mask(t, acc_S, jstart)
         block_sum = cute.make_rmem_tensor((cute.size(t.mloc),), Float32)
         if self._softmax_stale(t, acc_S, cute.make_tensor(rP_new.iterator, _mn_layout(rP_new.layout)), block_sum):
@@ -872,23 +881,15 @@ class OSKForward:
         jstart = j_next * TILE_N
         j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
         v_prev = self._v_state(it - 1)
-        kst = self._k_state(it)
-        walk.pipe_k.consumer_wait(kst)
-        self._sched_wait(walk.wg)
-        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
-        self._issue_qk(walk.tiled_mma_qk, walk.tSrQ, walk.tSrK, kst.index, acc_S)
+        acc_S, kst = self._turn_qk(walk, it)
         if walk.wg == 0 and it >= 2:
             computes_prev, computed = self._decided(t, it - 1, walk, computed)
         walk.pipe_v.consumer_wait(v_prev)
         if computes_prev:
             self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_prev, walk.tOrVt, v_prev.index)
         else:
-            warpgroup.commit_group()  # an empty group: the waits below count as with PV
-        self._sched_arrive(walk.wg)
-        warpgroup.wait_group(1)  # QK(it) done, and PV(it-2) before it: V(it-2) is free
-        walk.pipe_k.consumer_release(kst)
-        if it >= 2:
-            walk.pipe_v.consumer_release(self._v_state(it - 2))
+            warpgroup.commit_group()  # an empty group: _turn_end's wait counts as with PV
+        self._turn_end(walk, it, kst)
         self._mask(t, acc_S, jstart)
         want = self._thread_max(t, acc_S)
         self._quad_max(t)
