@@ -77,9 +77,10 @@ query head):
   With delta = 0 (no vote, no skip) the groups take turns to the end.  With stage 2 they
   take turns while neither knows of a skip, which covers most of the blocks a tile
   computes (where a block spans pages, only the first block: there the turns cost stage
-  2 more than they saved, bench/NOTES.md session 32): group 1, half a turn behind, has group 0's vote on a block when it takes its
-  own, so it knows the decision before its softmax; group 0 takes its softmax first,
-  keeps the block's row sums aside, and reads the decision in its next turn, before PV.
+  2 more than they saved, bench/NOTES.md session 32): group 1, half a turn behind, has
+  group 0's vote on a block when it takes its own, so it knows the decision before its
+  softmax; group 0 takes its softmax first, keeps the block's row sums aside, and reads
+  the decision in its next turn, before PV.
   Once both know of a skip, at the top of a pair of blocks, the next block's QK goes in
   the last turn and the groups vote in lockstep from there (the vote loop), where skip
   streaks are: the vote holds the groups together on skipped blocks anyway.  The vote
@@ -152,9 +153,9 @@ NUM_THREADS = NUM_CONSUMER_THREADS + NUM_PRODUCER_THREADS
 NUM_CONSUMER_WARPS = NUM_CONSUMER_THREADS // 32
 LOG2_E = 1.4426950408889634
 # P may be taken against a reference below the running max while it stays at most this (2^8,
-# far inside bf16's and fp16's range), so that O needs no rescale.  The delta = 0 loop, which
-# takes no block max, keeps a block while each thread's row sum over it stays at most this, and
-# otherwise redoes its softmax exactly; the stage-2 loop knows the block max and tests it.
+# far inside bf16's and fp16's range), so that O needs no rescale.  The turns, whose softmax
+# takes no block max, keep a block while each thread's row sum over it stays at most this, and
+# otherwise redo its softmax exactly; the vote loop knows the block max and tests it.
 STALE_SUM_MAX = 256.0
 BAR_EPILOGUE = 2
 BAR_VFIX = 3
@@ -191,7 +192,7 @@ class TileRows:
     tScS_mn: cute.Tensor  # (row, column) in the tile of each S element, row/column view
     row_ref: cute.Tensor  # what P, row_sum and O are taken against (the LSE adds it back): the
     #                       running max of the scaled logits or, by STALE_SUM_MAX, below it
-    row_max: cute.Tensor  # the exact running max (kept by the stage-2 loop, for the skip rule)
+    row_max: cute.Tensor  # the exact running max (kept with stage 2 on, for the skip rule)
     row_sum: cute.Tensor  # running softmax denominator
     mloc: cute.Tensor     # the current block's row max (unscaled)
     kv_len: Int32
@@ -391,7 +392,7 @@ class OSKForward:
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N),
         )
-        # QK in two 64-key halves (stage-2 loop): the next block's low half runs under the vote
+        # QK in two 64-key halves (the vote loop): the next block's low half runs under the vote
         tiled_mma_qk_half = sm90_utils.make_trivial_tiled_mma(
             dtype, dtype, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, TILE_N // 2),
@@ -746,7 +747,7 @@ class OSKForward:
 
     @cute.jit
     def _softmax_lagged(self, t: TileRows, acc_S, corr):
-        """The stage-2 loop's softmax of a computed block, whose max (mloc) is known: raises the
+        """The vote loop's softmax of a computed block, whose max (mloc) is known: raises the
         exact running max, and keeps the reference (O needing no rescale) when no thread of the
         warp has a P above STALE_SUM_MAX against it; otherwise _softmax.  Returns whether O
         must be rescaled by corr (uniform over the warp)."""
