@@ -278,13 +278,14 @@ def test_negative_logits(dtype, head_dim, page_size, layout, delta):
 
 
 @pytest.mark.parametrize("dtype,head_dim,page_size,layout", [
-    (torch.bfloat16, 128, 64, "NHD"), (torch.float16, 64, 16, "HND"),
+    (torch.bfloat16, 128, 128, "NHD"), (torch.float16, 64, 256, "HND"), (torch.bfloat16, 64, 16, "NHD"),
 ])
 def test_blocks_computed_after_a_skip(dtype, head_dim, page_size, layout):
-    # The kernel takes a tile's blocks in turns until both of its warp groups know of a skip,
-    # then in lockstep (the vote loop), from the first odd position two or three past the first
-    # skip.  So the batch must have first skips at odd and even positions, and blocks computed
-    # three or more positions after them.
+    # Where pages hold whole blocks the kernel takes a tile's blocks in turns until both of its
+    # warp groups know of a skip, then in lockstep (the vote loop), from the first odd position
+    # two or three past the first skip; where a block spans pages, from block 1.  So the batch
+    # must have first skips at odd and even positions, and blocks computed three or more
+    # positions after them.
     visits = []
     run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
              q_lens=[300, 640, 1, 1100], kv_lens=[2000, 640, 1500, 1100], budget=1.0, delta=0.5,
