@@ -1050,6 +1050,10 @@ class OSKForward:
         # Launched as a programmatic dependent: so far only the plan was read; the kernel before
         # (in cosa.run the proxy, which writes the order) may still be running
         cute.arch.griddepcontrol_wait()
+        # Stage 2 takes turns only where pages hold whole blocks: where a block spans pages the
+        # turns cost it more than they save (bench/NOTES.md, session 32), and a tile votes from
+        # block 1 on (the V warp and the consumers both read this)
+        stage2_turns = page_shift >= BLOCK_SHIFT
 
         if warp_idx < 4:
             # ================================================= producer warp group
@@ -1078,13 +1082,13 @@ class OSKForward:
                 # PV each of those blocks they compute in the next turn, so V of every block
                 # before E is loaded; from E on a block's V is loaded only once the vote has
                 # decided to compute it.  Until E is known, the decision on block it - 2 is read
-                # when V(it) is due: known by then in the turns, so the read does not wait.  Where
-                # a block spans pages, E = 1 (the consumers' ``turns_over``)
+                # when V(it) is due: known by then in the turns, so the read does not wait.  Without
+                # stage-2 turns, E = 1
                 v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
                 first_vote = Int32(NOT_YET)  # E
-                if page_shift < BLOCK_SHIFT:
+                if not stage2_turns:
                     first_vote = Int32(1)
                 n_read = Int32(1)  # the block whose decision is read next
                 for it in cutlass.range(num_sel, unroll=1):
@@ -1197,10 +1201,8 @@ class OSKForward:
                         row_max[r] = row_ref[r]  # the skip rule's running max: the first block's
                     computes_prev = cutlass.Boolean(True)  # the decision on the block taken last
                     computed = Int32(1)
-                    # A skip among the blocks up to it - 2 is known to both groups -- or a block spans
-                    # pages: there the turns cost stage 2 more than they save (bench/NOTES.md,
-                    # session 32), and the tile votes from block 1 on
-                    turns_over = Int32(page_shift < BLOCK_SHIFT)
+                    # a skip among the blocks up to it - 2 is known to both groups (or no stage-2 turns)
+                    turns_over = Int32(not stage2_turns)
                     j_prev = jstart
                     it = Int32(1)
                     while it < num_sel and turns_over == 0:  # odd blocks' P in rP_alt
