@@ -247,8 +247,9 @@ class PlanTables:
 
 @dataclass(frozen=True)
 class TileWalk:
-    """What a consumer's walk over the tile's blocks uses: the first block's helper and every
-    block taken in turns (both loops' turns; their two call sites alternate P's buffers)."""
+    """What a consumer's walk over the tile's blocks uses: the first block's helper, every
+    block taken in turns (both loops' turns; their two call sites alternate P's buffers) and
+    the vote loop."""
 
     pipe_k: pipeline.PipelineTmaAsync
     pipe_v: pipeline.PipelineTmaAsync
@@ -273,6 +274,18 @@ class TileWalk:
     sDecision: cute.Tensor   # the stage-2 decisions for the V warp (1 = skipped), by ``pipe_decision``
     pipe_decision: pipeline.PipelineAsync
     block_sum: cute.Tensor   # group 0's row sums of the block whose decision it awaits (stage-2 turns)
+
+
+@dataclass(frozen=True)
+class QKHalves:
+    """QK in two 64-key halves, as the vote loop issues it: the next block's low half runs under
+    the vote."""
+
+    tiled_mma: cute.TiledMma
+    tSrQ: cute.Tensor
+    tSrK_lo: cute.Tensor
+    tSrK_hi: cute.Tensor
+    layout: cute.Layout   # one half of S's register layout
 
 
 def _reduce_by_threes(values: list, op):
@@ -955,6 +968,109 @@ class OSKForward:
         return computed
 
     @cute.jit
+    def _vote_loop(self, walk: TileWalk, t: TileRows, halves: QKHalves, first_vote, j_next, j_prev,
+                   computes_prev, computed, rP, tOrP):
+        """Stage 2 from block E = ``first_vote`` on, after the turns (``j_prev``: block E-1's first
+        key, ``computes_prev``: the decision on it).  The switch keeps the tensor cores busy:
+        block E's QK goes in the last turn, in the vote loop's two halves, with PV(E-1) if the
+        tile computes block E-1 (its P is in rP: E is odd).  Then the vote loop from E, S(E)
+        done, no PV pending.  Returns the computed count."""
+        acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
+        acc_lo = cute.make_tensor(acc_S.iterator, halves.layout)
+        acc_hi = cute.make_tensor(acc_S.iterator + cute.size(halves.layout), halves.layout)
+        acc_next = cute.make_rmem_tensor(halves.layout.shape, Float32)
+        kst = self._k_state(first_vote)
+        walk.pipe_k.consumer_wait(kst)
+        self._sched_wait(walk.wg)
+        self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_lo, kst.index, acc_next)
+        self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_hi, kst.index, acc_hi)
+        if walk.wg == 0 and first_vote > 1:
+            computes_prev, computed = self._decided(t, first_vote - 1, walk, computed)
+        v_prev = self._v_state(first_vote - 1)
+        walk.pipe_v.consumer_wait(v_prev)
+        if computes_prev:
+            self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_prev.index)
+        if walk.wg == 0:
+            self._sched_arrive(walk.wg)
+        warpgroup.wait_group(0)
+        if first_vote > 1:
+            walk.pipe_v.consumer_release(self._v_state(first_vote - 2))
+        walk.pipe_v.consumer_release(v_prev)
+        acc_lo.store(acc_next.load())
+        # The vote holds the groups together on skipped blocks.  The vote on block j is
+        # posted to the V producer, which loads V only for computed blocks; PV of the
+        # last computed block (pending, always j - 1) is issued after the vote on j --
+        # its V had QK(j) and the vote to arrive -- and runs under softmax(j).  V
+        # stages count every block before E, then computed blocks only
+        v_shift = first_vote - computed
+        pending = cutlass.Boolean(False)
+        j_pending = j_prev
+        d_state = self._decision_state(first_vote, producer=True)
+        for it in cutlass.range(first_vote, walk.num_sel, unroll=1):
+            jstart = j_next * TILE_N
+            j_next = self._listed_block(walk.plan.mOrder, walk.qt, walk.head, it + 1, walk.num_sel)
+            kst = self._k_state(it)
+            v_pending = self._v_state(computed + v_shift - 1)
+            warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
+            walk.pipe_k.consumer_release(kst)
+            self._mask(t, acc_S, jstart)
+            want = self._thread_max(t, acc_S)
+            # the next block's low half runs under the vote (issued on every path, past
+            # the last block on a stale stage whose result is never read)
+            knext = self._k_state(it + 1)
+            if it + 1 < walk.num_sel:
+                walk.pipe_k.consumer_wait(knext)
+            self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_lo, knext.index, acc_next)
+            skip = not self._vote(t, want, it, walk.sVote)
+            if walk.ctid == 0:
+                walk.pipe_decision.producer_acquire(d_state)
+                walk.sDecision[d_state.index] = Int32(skip)
+                walk.pipe_decision.producer_commit(d_state)
+            d_state.advance()
+            # The next block's high half, as soon as S is dead (past the last block on
+            # a stale stage, like the low half).  A skipped block with no PV pending has
+            # only the low half in flight: the high half queues behind it, so that the
+            # tensor cores go on from one to the other, and only the low half is waited
+            # for
+            if skip and not pending:
+                self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_hi, knext.index, acc_hi)
+                warpgroup.wait_group(1)
+            else:
+                if pending:
+                    self._wait_v(walk.pipe_v, v_pending, walk.tiled_copy_o, walk.sV, walk.ctid,
+                                 t.kv_len - j_pending)
+                    self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_pending.index)
+                rescale = cutlass.Boolean(False)
+                if not skip:
+                    self._quad_max(t)
+                    rescale = self._softmax_lagged(t, acc_S, walk.corr)
+                # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
+                # reused (waited on both paths, so that ptxas sees O's readers ordered
+                # after it and does not serialise the wgmmas)
+                warpgroup.wait_group(0)
+                if pending:
+                    walk.pipe_v.consumer_release(v_pending)
+                if skip:
+                    pending = cutlass.Boolean(False)
+                else:
+                    pending = cutlass.Boolean(True)
+                    computed = computed + 1
+                    j_pending = jstart
+                    if rescale:
+                        self._rescale_o(walk.acc_O_mn, walk.corr)
+                    rP.store(acc_S.load().to(self.dtype))
+                self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_hi, knext.index, acc_hi)
+            acc_lo.store(acc_next.load())
+        warpgroup.wait_group(0)  # the high half issued past the last block
+        if pending:
+            v_pending = self._v_state(computed + v_shift - 1)
+            self._wait_v(walk.pipe_v, v_pending, walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - j_pending)
+            self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_pending.index)
+            warpgroup.wait_group(0)
+            walk.pipe_v.consumer_release(v_pending)
+        return computed
+
+    @cute.jit
     def _rescale_o(self, acc_O_mn, corr):
         for r in cutlass.range_constexpr(cute.size(corr)):
             acc_O_mn[r, None] = acc_O_mn[r, None].load() * corr[r]
@@ -1134,12 +1250,13 @@ class OSKForward:
             tSrQ = wg_mma_qk.make_fragment_A(wg_mma_qk.partition_A(sQ))
             tSrK = wg_mma_qk.make_fragment_B(wg_mma_qk.partition_B(sK))
             wg_mma_half = tiled_mma_qk_half.get_slice(wg * 128)
-            tSrQ_half = wg_mma_half.make_fragment_A(wg_mma_half.partition_A(sQ))
             sK_halves = cute.flat_divide(sK, (TILE_N // 2, D))
-            tSrK_lo = wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 0, 0, None]))
-            tSrK_hi = wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 1, 0, None]))
+            halves = QKHalves(
+                tiled_mma_qk_half, wg_mma_half.make_fragment_A(wg_mma_half.partition_A(sQ)),
+                wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 0, 0, None])),
+                wg_mma_half.make_fragment_B(wg_mma_half.partition_B(sK_halves[None, None, 1, 0, None])),
+                cute.make_layout(tiled_mma_qk_half.partition_shape_C((TILE_M, TILE_N // 2))))
             s_shape = tiled_mma_qk.partition_shape_C((TILE_M, TILE_N))
-            half_layout = cute.make_layout(tiled_mma_qk_half.partition_shape_C((TILE_M, TILE_N // 2)))
             sVt = cute.composition(sV, cute.make_ordered_layout((D, TILE_N, self.v_stages), order=(1, 0, 2)))
             tOrVt = wg_mma_pv.make_fragment_B(wg_mma_pv.partition_B(sVt))
             acc_O = cute.make_rmem_tensor(tiled_mma_pv.partition_shape_C((TILE_M, D)), Float32)
@@ -1218,103 +1335,8 @@ class OSKForward:
                         computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, computes_prev, computed,
                                                    stage2=True)
                     else:
-                        # The switch keeps the tensor cores busy: block E's QK goes in the last turn,
-                        # in the vote loop's two halves, with PV(E-1) if the tile computes block E-1
-                        # (its P is in rP: E is odd).  Then the vote loop from E, S(E) done, no PV
-                        # pending
-                        first_vote = it
-                        acc_S = cute.make_rmem_tensor(s_shape, Float32)
-                        acc_lo = cute.make_tensor(acc_S.iterator, half_layout)
-                        acc_hi = cute.make_tensor(acc_S.iterator + cute.size(half_layout), half_layout)
-                        acc_next = cute.make_rmem_tensor(half_layout.shape, Float32)
-                        kst = self._k_state(first_vote)
-                        pipe_k.consumer_wait(kst)
-                        self._sched_wait(wg)
-                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, kst.index, acc_next)
-                        self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, kst.index, acc_hi)
-                        if wg == 0 and first_vote > 1:
-                            computes_prev, computed = self._decided(tile_rows, first_vote - 1, walk, computed)
-                        v_prev = self._v_state(first_vote - 1)
-                        pipe_v.consumer_wait(v_prev)
-                        if computes_prev:
-                            self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_prev.index)
-                        if wg == 0:
-                            self._sched_arrive(wg)
-                        warpgroup.wait_group(0)
-                        if first_vote > 1:
-                            pipe_v.consumer_release(self._v_state(first_vote - 2))
-                        pipe_v.consumer_release(v_prev)
-                        acc_lo.store(acc_next.load())
-                        # The vote holds the groups together on skipped blocks.  The vote on block j is
-                        # posted to the V producer, which loads V only for computed blocks; PV of the
-                        # last computed block (pending, always j - 1) is issued after the vote on j --
-                        # its V had QK(j) and the vote to arrive -- and runs under softmax(j).  V
-                        # stages count every block before E, then computed blocks only
-                        v_shift = first_vote - computed
-                        pending = cutlass.Boolean(False)
-                        j_pending = j_prev
-                        d_state = self._decision_state(first_vote, producer=True)
-                        for it in cutlass.range(first_vote, num_sel, unroll=1):
-                            jstart = j_next * TILE_N
-                            j_next = self._listed_block(plan.mOrder, qt, head, it + 1, num_sel)
-                            kst = self._k_state(it)
-                            v_pending = self._v_state(computed + v_shift - 1)
-                            warpgroup.wait_group(0)  # the high half, issued at the end of the last trip
-                            pipe_k.consumer_release(kst)
-                            self._mask(tile_rows, acc_S, jstart)
-                            want = self._thread_max(tile_rows, acc_S)
-                            # the next block's low half runs under the vote (issued on every path, past
-                            # the last block on a stale stage whose result is never read)
-                            knext = self._k_state(it + 1)
-                            if it + 1 < num_sel:
-                                pipe_k.consumer_wait(knext)
-                            self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_lo, knext.index, acc_next)
-                            skip = not self._vote(tile_rows, want, it, sVote)
-                            if ctid == 0:
-                                pipe_decision.producer_acquire(d_state)
-                                sDecision[d_state.index] = Int32(skip)
-                                pipe_decision.producer_commit(d_state)
-                            d_state.advance()
-                            # The next block's high half, as soon as S is dead (past the last block on
-                            # a stale stage, like the low half).  A skipped block with no PV pending has
-                            # only the low half in flight: the high half queues behind it, so that the
-                            # tensor cores go on from one to the other, and only the low half is waited
-                            # for
-                            if skip and not pending:
-                                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
-                                warpgroup.wait_group(1)
-                            else:
-                                if pending:
-                                    self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
-                                    self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
-                                rescale = cutlass.Boolean(False)
-                                if not skip:
-                                    self._quad_max(tile_rows)
-                                    rescale = self._softmax_lagged(tile_rows, acc_S, corr)
-                                # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
-                                # reused (waited on both paths, so that ptxas sees O's readers ordered
-                                # after it and does not serialise the wgmmas)
-                                warpgroup.wait_group(0)
-                                if pending:
-                                    pipe_v.consumer_release(v_pending)
-                                if skip:
-                                    pending = cutlass.Boolean(False)
-                                else:
-                                    pending = cutlass.Boolean(True)
-                                    computed = computed + 1
-                                    j_pending = jstart
-                                    if rescale:
-                                        self._rescale_o(acc_O_mn, corr)
-                                    rP.store(acc_S.load().to(dtype))
-                                self._issue_qk(tiled_mma_qk_half, tSrQ_half, tSrK_hi, knext.index, acc_hi)
-                            acc_lo.store(acc_next.load())
-                        warpgroup.wait_group(0)  # the high half issued past the last block
-                        if pending:
-                            v_pending = self._v_state(computed + v_shift - 1)
-                            self._wait_v(pipe_v, v_pending, tiled_copy_o, sV, ctid, kv_len - j_pending)
-                            self._issue_pv(tiled_mma_pv, acc_O, tOrP, tOrVt, v_pending.index)
-                            warpgroup.wait_group(0)
-                            pipe_v.consumer_release(v_pending)
+                        computed = self._vote_loop(walk, tile_rows, halves, it, j_next, j_prev, computes_prev,
+                                                   computed, rP, tOrP)
 
             # ---------------------------------------------------------- epilogue
             tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))
