@@ -73,8 +73,8 @@ def falling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, rises):
 
 def repelling_inputs(num_qo_heads, num_kv_heads, head_dim, generator, *, negative_shares):
     """``make_batch``'s ``qkv`` whose logits are (nearly) all negative: q along a direction u,
-    K's 128-key blocks against it at random strengths, so that the stage-2 loop's row maxima
-    are negative and it finds them through ``_row_max_bits``' all-negative branch; the
+    K's 128-key blocks against it at random strengths, so that stage 2's row maxima are
+    negative and the kernel finds them through ``_row_max_bits``' all-negative branch; the
     strengths spread the maxima so that it skips some blocks.  Appends to ``negative_shares``
     the share of the request's logits below zero."""
     def qkv(_, q_len, kv_len):
@@ -248,10 +248,10 @@ def test_full_budget_no_skip_equals_dense(dtype, head_dim, page_size, layout):
     (torch.float16, 128, 32, "NHD", 0.6, 0.05), (torch.bfloat16, 64, 256, "HND", 1.0, 0.5),
 ])
 def test_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget, delta):
-    # Both loops take P against a reference that may lag the running max and rescale O only
-    # when a block raises it by more than osk.STALE_SUM_MAX allows (the delta = 0 loop redoes
-    # such a block, the stage-2 loop tests its max first): the sink block, visited after the
-    # local ones, does here.
+    # The kernel takes P against a reference that may lag the running max and rescales O only
+    # when a block raises it by more than osk.STALE_SUM_MAX allows (the turns redo such a
+    # block, the vote loop tests its max first): the sink block, visited after the local ones,
+    # does here.
     rises = []
     run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
              q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=budget, delta=delta,
@@ -265,9 +265,9 @@ def test_a_sink_that_raises_the_max(dtype, head_dim, page_size, layout, budget, 
 ])
 def test_negative_logits(dtype, head_dim, page_size, layout, delta):
     # Row maxima come from S's bit patterns, whose order is the floats' only where a value is
-    # >= 0: rows whose logits are all negative take the other branch (in the stage-2 loop, and
-    # for the first block and a redone one with delta = 0, where a wrong max would overflow
-    # fp16's P).
+    # >= 0: rows whose logits are all negative take the other branch (on every block with stage
+    # 2 on, and for the first block and a redone one with delta = 0, where a wrong max would
+    # overflow fp16's P).
     negative_shares = []
     stats = run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=2,
                      q_lens=RAGGED_Q, kv_lens=RAGGED_KV, budget=0.7, delta=delta,
