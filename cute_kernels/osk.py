@@ -997,11 +997,11 @@ class OSKForward:
             walk.pipe_v.consumer_release(self._v_state(first_vote - 2))
         walk.pipe_v.consumer_release(v_prev)
         acc_lo.store(acc_next.load())
-        # The vote holds the groups together on skipped blocks.  The vote on block j is
-        # posted to the V producer, which loads V only for computed blocks; PV of the
-        # last computed block (pending, always j - 1) is issued after the vote on j --
-        # its V had QK(j) and the vote to arrive -- and runs under softmax(j).  V
-        # stages count every block before E, then computed blocks only
+        # The vote holds the groups together on skipped blocks.  The vote on block j is posted
+        # to the V producer, which loads V only for computed blocks; PV of the last computed
+        # block (pending, always j - 1) is issued after the vote on j -- its V had QK(j) and the
+        # vote to arrive -- and runs under softmax(j).  V stages count every block before E,
+        # then computed blocks only
         v_shift = first_vote - computed
         pending = cutlass.Boolean(False)
         j_pending = j_prev
@@ -1015,8 +1015,8 @@ class OSKForward:
             walk.pipe_k.consumer_release(kst)
             self._mask(t, acc_S, jstart)
             want = self._thread_max(t, acc_S)
-            # the next block's low half runs under the vote (issued on every path, past
-            # the last block on a stale stage whose result is never read)
+            # the next block's low half runs under the vote (issued on every path, past the last
+            # block on a stale stage whose result is never read)
             knext = self._k_state(it + 1)
             if it + 1 < walk.num_sel:
                 walk.pipe_k.consumer_wait(knext)
@@ -1027,11 +1027,10 @@ class OSKForward:
                 walk.sDecision[d_state.index] = Int32(skip)
                 walk.pipe_decision.producer_commit(d_state)
             d_state.advance()
-            # The next block's high half, as soon as S is dead (past the last block on
-            # a stale stage, like the low half).  A skipped block with no PV pending has
-            # only the low half in flight: the high half queues behind it, so that the
-            # tensor cores go on from one to the other, and only the low half is waited
-            # for
+            # The next block's high half, as soon as S is dead (past the last block on a stale
+            # stage, like the low half).  A skipped block with no PV pending has only the low
+            # half in flight: the high half queues behind it, so that the tensor cores go on
+            # from one to the other, and only the low half is waited for
             if skip and not pending:
                 self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_hi, knext.index, acc_hi)
                 warpgroup.wait_group(1)
@@ -1044,9 +1043,9 @@ class OSKForward:
                 if not skip:
                     self._quad_max(t)
                     rescale = self._softmax_lagged(t, acc_S, walk.corr)
-                # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1)
-                # reused (waited on both paths, so that ptxas sees O's readers ordered
-                # after it and does not serialise the wgmmas)
+                # PV(j-1) and the next low half done: O may be rescaled, P and V(j-1) reused
+                # (waited on both paths, so that ptxas sees O's readers ordered after it and
+                # does not serialise the wgmmas)
                 warpgroup.wait_group(0)
                 if pending:
                     walk.pipe_v.consumer_release(v_pending)
