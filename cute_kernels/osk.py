@@ -165,7 +165,7 @@ BAR_DECIDED = 12  # 12 to 12 + VOTE_SLOTS - 1: group 1 has the decision on block
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
 BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
-V_STAGES = 3  # the delta = 0 loop frees V(j-1) only after QK(j+1): one stage more than K
+V_STAGES = 3  # the turns free V(j-1) only after QK(j+1): one stage more than K
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
 NOT_YET = 1 << 30  # a block index not known yet (the V warp's first block after the turns)
 # A computing warp runs ahead of the vote's waiters only as far as the K ring lets it: it gets
@@ -273,7 +273,7 @@ class TileWalk:
     sVote: cute.Tensor       # the stage-2 votes' marks (``_vote``)
     sDecision: cute.Tensor   # the stage-2 decisions for the V warp (1 = skipped), by ``pipe_decision``
     pipe_decision: pipeline.PipelineAsync
-    block_sum: cute.Tensor   # group 0's row sums of the block whose decision it awaits (stage-2 turns)
+    block_sum: cute.Tensor   # a block's row sums, kept aside until it is known computed (stage-2 turns)
 
 
 @dataclass(frozen=True)
@@ -609,8 +609,8 @@ class OSKForward:
         return pipeline.PipelineState(DECISION_SLOTS, n, n % DECISION_SLOTS, phase)
 
     def _v_state(self, b):
-        """... of the b-th V block (every visited block while the groups take turns, then every
-        computed one)."""
+        """Consumer pipeline state of the b-th V block loaded (every visited block while the
+        groups take turns, then every computed one)."""
         return pipeline.PipelineState(self.v_stages, b, b % self.v_stages, (b // self.v_stages) & 1)
 
     @cute.jit
@@ -854,7 +854,7 @@ class OSKForward:
             walk.pipe_v.consumer_release(self._v_state(it - 2))
 
     @cute.jit
-    def _pingpong_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new):
+    def _turn_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new):
         """Block ``it`` of the delta = 0 loop: QK(it) with PV(it-1) from tOrP_prev in one turn,
         then P(it) into the other buffer, rP_new.  Returns the block listed after the next."""
         jstart = j_next * TILE_N
@@ -881,7 +881,7 @@ class OSKForward:
     @cute.jit
     def _stage2_turn_block(self, walk: TileWalk, t: TileRows, it, j_next, tOrP_prev, rP_new, computes_prev,
                            computed):
-        """Block ``it`` in turns with stage 2 on: ``_pingpong_block``'s schedule, the skip rule
+        """Block ``it`` in turns with stage 2 on: ``_turn_block``'s schedule, the skip rule
         decided one step late for group 0.  Group 1 runs half a turn behind: it has group 0's
         vote on the block when it takes its own, so it knows the decision before its softmax
         (taken only for a computed block), posts it to the V warp and to group 0
@@ -968,13 +968,13 @@ class OSKForward:
         return computed
 
     @cute.jit
-    def _vote_loop(self, walk: TileWalk, t: TileRows, halves: QKHalves, first_vote, j_next, j_prev,
-                   computes_prev, computed, rP, tOrP):
-        """Stage 2 from block E = ``first_vote`` on, after the turns (``j_prev``: block E-1's first
-        key, ``computes_prev``: the decision on it).  The switch keeps the tensor cores busy:
-        block E's QK goes in the last turn, in the vote loop's two halves, with PV(E-1) if the
-        tile computes block E-1 (its P is in rP: E is odd).  Then the vote loop from E, S(E)
-        done, no PV pending.  Returns the computed count."""
+    def _vote_loop(self, walk: TileWalk, t: TileRows, halves: QKHalves, first_vote, j_next,
+                   jstart_prev, computes_prev, computed, rP, tOrP):
+        """Stage 2 from block E = ``first_vote`` on, after the turns (``jstart_prev``: block
+        E-1's first key, ``computes_prev``: the decision on it).  The switch keeps the tensor
+        cores busy: block E's QK goes in the last turn, in the vote loop's two halves, with
+        PV(E-1) if the tile computes block E-1 (its P is in rP: E is odd).  Then the vote loop
+        from E, S(E) done, no PV pending.  Returns the computed count."""
         acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
         acc_lo = cute.make_tensor(acc_S.iterator, halves.layout)
         acc_hi = cute.make_tensor(acc_S.iterator + cute.size(halves.layout), halves.layout)
@@ -1004,7 +1004,7 @@ class OSKForward:
         # then computed blocks only
         v_shift = first_vote - computed
         pending = cutlass.Boolean(False)
-        j_pending = j_prev
+        jstart_pending = jstart_prev
         d_state = self._decision_state(first_vote, producer=True)
         for it in cutlass.range(first_vote, walk.num_sel, unroll=1):
             jstart = j_next * TILE_N
@@ -1037,7 +1037,7 @@ class OSKForward:
             else:
                 if pending:
                     self._wait_v(walk.pipe_v, v_pending, walk.tiled_copy_o, walk.sV, walk.ctid,
-                                 t.kv_len - j_pending)
+                                 t.kv_len - jstart_pending)
                     self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_pending.index)
                 rescale = cutlass.Boolean(False)
                 if not skip:
@@ -1054,7 +1054,7 @@ class OSKForward:
                 else:
                     pending = cutlass.Boolean(True)
                     computed = computed + 1
-                    j_pending = jstart
+                    jstart_pending = jstart
                     if rescale:
                         self._rescale_o(walk.acc_O_mn, walk.corr)
                     rP.store(acc_S.load().to(self.dtype))
@@ -1063,7 +1063,7 @@ class OSKForward:
         warpgroup.wait_group(0)  # the high half issued past the last block
         if pending:
             v_pending = self._v_state(computed + v_shift - 1)
-            self._wait_v(walk.pipe_v, v_pending, walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - j_pending)
+            self._wait_v(walk.pipe_v, v_pending, walk.tiled_copy_o, walk.sV, walk.ctid, t.kv_len - jstart_pending)
             self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_pending.index)
             warpgroup.wait_group(0)
             walk.pipe_v.consumer_release(v_pending)
@@ -1154,7 +1154,7 @@ class OSKForward:
             barrier_storage=storage.mbar_v.data_ptr(), num_stages=self.v_stages, producer_group=one,
             consumer_group=consumer_warps, tx_count=tma_bytes, defer_sync=True,
         )
-        # stage-2 decisions, consumer thread 0 -> the V warp (1 = skipped)
+        # stage-2 decisions, one consumer thread -> the V warp (1 = skipped)
         pipe_decision = pipeline.PipelineAsync.create(
             barrier_storage=storage.mbar_decision.data_ptr(), num_stages=DECISION_SLOTS,
             producer_group=one, consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
@@ -1303,9 +1303,9 @@ class OSKForward:
                     # delta = 0: no block is skipped and no vote couples the groups, so they take
                     # turns to the end
                     for it in cutlass.range(1, num_sel, 2, unroll=1):  # odd blocks' P in rP_alt
-                        j_next = self._pingpong_block(walk, tile_rows, it, j_next, tOrP, rP_alt)
+                        j_next = self._turn_block(walk, tile_rows, it, j_next, tOrP, rP_alt)
                         if it + 1 < num_sel:
-                            j_next = self._pingpong_block(walk, tile_rows, it + 1, j_next, tOrP_alt, rP)
+                            j_next = self._turn_block(walk, tile_rows, it + 1, j_next, tOrP_alt, rP)
                     computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, True, num_sel, stage2=False)
                 else:
                     # delta > 0.  Most blocks a tile computes come before its first skipped one
@@ -1319,14 +1319,14 @@ class OSKForward:
                     computed = Int32(1)
                     # a skip among the blocks up to it - 2 is known to both groups (or no stage-2 turns)
                     turns_over = Int32(not stage2_turns)
-                    j_prev = jstart
+                    jstart_prev = jstart
                     it = Int32(1)
                     while it < num_sel and turns_over == 0:  # odd blocks' P in rP_alt
-                        j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
+                        j_next, computes_prev, computed, computes_before, jstart_prev = self._stage2_turn_block(
                             walk, tile_rows, it, j_next, tOrP, rP_alt, computes_prev, computed)
                         turns_over = turns_over | Int32(not computes_before)
                         if it + 1 < num_sel:
-                            j_next, computes_prev, computed, computes_before, j_prev = self._stage2_turn_block(
+                            j_next, computes_prev, computed, computes_before, jstart_prev = self._stage2_turn_block(
                                 walk, tile_rows, it + 1, j_next, tOrP_alt, rP, computes_prev, computed)
                             turns_over = turns_over | Int32(not computes_before)
                         it = it + 2
@@ -1334,8 +1334,8 @@ class OSKForward:
                         computed = self._last_turn(walk, tile_rows, tOrP, tOrP_alt, computes_prev, computed,
                                                    stage2=True)
                     else:
-                        computed = self._vote_loop(walk, tile_rows, halves, it, j_next, j_prev, computes_prev,
-                                                   computed, rP, tOrP)
+                        computed = self._vote_loop(walk, tile_rows, halves, it, j_next, jstart_prev,
+                                                   computes_prev, computed, rP, tOrP)
 
             # ---------------------------------------------------------- epilogue
             tOcO_full = tiled_mma_pv.get_slice(ctid).partition_C(cute.make_identity_tensor((TILE_M, D)))
