@@ -9,8 +9,8 @@ NOTES.md come from here; a kernel variant is judged here before it costs device 
                                 [--ptxas PATH] [--cuobjdump PATH] [--ptx-version 9.0] [--save DIR]
                                 [--same-as FILE.py]
 
-``--kernel``: a variant of ``cute_kernels/osk.py`` (same ``compile_config``) instead of the
-installed one.  ptxas and cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
+``--kernel``: a version of ``cute_kernels/osk.py`` (same ``compile_config``); by default this
+checkout's file, the one being edited, not the installed cosa, which may lag it.  ptxas and cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
 ``--ptx-version`` rewrites the PTX's ``.version`` line when the DSL emits a newer one than
 that ptxas reads.  ``--save DIR`` keeps the PTX, the cubin and the SASS listing.
 ``--same-as FILE.py``: also compile that version (say ``git show REV:cute_kernels/osk.py``)
@@ -31,6 +31,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+CHECKOUT_KERNEL = Path(__file__).resolve().parents[1] / "cute_kernels" / "osk.py"
 _INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*(.*?)\s*;")
 _BRANCH_TARGET = re.compile(r"\bBRA\b.*?(0x[0-9a-f]+)")
 _PREDICATE = re.compile(r"^@!?U?P\w+\s+")
@@ -110,16 +111,12 @@ def load_variant(path: str, name: str = "osk_variant"):
     return module
 
 
-def _compile_ptx(kernel: str | None, dtype: str, head_dim: int, dump: Path) -> Path:
+def _compile_ptx(kernel: str, dtype: str, head_dim: int, dump: Path) -> Path:
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["CUTE_DSL_KEEP_PTX"] = "1"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
     dump.mkdir(parents=True, exist_ok=True)
-    if kernel is None:
-        from cosa.cute_kernels import osk as module
-    else:
-        module = load_variant(kernel)
-    module.compile_config(dtype, head_dim, use_tvm_ffi=False)
+    load_variant(kernel).compile_config(dtype, head_dim, use_tvm_ffi=False)
     ptx = sorted(dump.glob("*.ptx"))
     if not ptx:
         raise SystemExit(f"no PTX was dumped into {dump}")
@@ -137,7 +134,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    parser.add_argument("--kernel", help="a variant of cute_kernels/osk.py")
+    parser.add_argument("--kernel", default=str(CHECKOUT_KERNEL),
+                        help="a version of cute_kernels/osk.py (default: this checkout's)")
     parser.add_argument("--ptxas", default=shutil.which("ptxas") or "/usr/local/cuda/bin/ptxas")
     parser.add_argument("--cuobjdump", default=shutil.which("cuobjdump") or "/usr/local/cuda/bin/cuobjdump")
     parser.add_argument("--ptx-version", help="rewrite the PTX's .version line to this")
@@ -163,7 +161,7 @@ def main(argv=None) -> int:
                   "--save", str(work / "same_as")] + (["--ptx-version", args.ptx_version] if args.ptx_version else []))
             other = parse_sass((work / "same_as" / "kernel.sass").read_text())
 
-    print(f"OSK {args.dtype} d{args.head_dim} ({args.kernel or 'installed'}), sm_90a")
+    print(f"OSK {args.dtype} d{args.head_dim} ({args.kernel}), sm_90a")
     for line in report.splitlines():
         if re.search(r"Used \d+ registers|spill|C75\d\d", line):
             print("  " + re.sub(r"in the function '.*'", "", line.replace("ptxas info    : ", "")).strip())
