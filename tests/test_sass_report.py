@@ -123,3 +123,25 @@ def test_two_versions_load_side_by_side_under_their_own_names(tmp_path):
         versions[name] = (load_variant(str(path), name), value)
     for name, (module, value) in versions.items():
         assert module.__name__ == f"cosa.cute_kernels.{name}" and module.VALUE == value
+
+
+def test_the_default_kernel_is_this_checkouts_file(monkeypatch):
+    """Without --kernel the report compiles the osk.py being edited, not the installed cosa
+    (which may lag it)."""
+    import sass_report
+
+    compiled = []
+
+    def record(kernel, dtype, head_dim, dump):
+        compiled.append(kernel)
+        raise SystemExit("recorded")
+
+    monkeypatch.setattr(sass_report, "_compile_ptx", record)
+    for argv, expected in (([], Path(__file__).resolve().parents[1] / "cute_kernels" / "osk.py"),
+                           (["--kernel", "/elsewhere/osk_rev.py"], Path("/elsewhere/osk_rev.py"))):
+        try:
+            sass_report.main(argv)
+        except SystemExit as stop:
+            assert str(stop) == "recorded"
+        assert Path(compiled.pop()) == expected
+    assert (Path(__file__).resolve().parents[1] / "cute_kernels" / "osk.py").is_file()
