@@ -10,7 +10,8 @@ NOTES.md come from here; a kernel variant is judged here before it costs device 
                                 [--same-as FILE.py]
 
 ``--kernel``: a version of ``cute_kernels/osk.py`` (same ``compile_config``); by default this
-checkout's file, the one being edited, not the installed cosa, which may lag it.  ptxas and cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
+checkout's file, the one being edited, not the installed cosa, which may lag it.  ptxas and
+cuobjdump come from a CUDA 13 toolkit (or its pip wheels);
 ``--ptx-version`` rewrites the PTX's ``.version`` line when the DSL emits a newer one than
 that ptxas reads.  ``--save DIR`` keeps the PTX, the cubin and the SASS listing.
 ``--same-as FILE.py``: also compile that version (say ``git show REV:cute_kernels/osk.py``)
