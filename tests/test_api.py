@@ -75,6 +75,14 @@ def test_hopper_gets_the_kernels(monkeypatch):
     assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.kap_order
 
 
+@pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)])
+def test_hopper_with_dtypes_the_kernel_lacks_gets_the_reference_with_a_warning(monkeypatch, q_dtype, kv_dtype):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
+    with pytest.warns(UserWarning, match=rf"not q_data_type={q_dtype}, kv_data_type={kv_dtype}; run uses the exact"):
+        assert api.osk_kernel(CUDA, D, q_dtype, kv_dtype) is None
+    assert api.kap_kernel(CUDA, "kap", D, q_dtype, kv_dtype, 64) is None
+
+
 def test_without_the_cute_dsl_the_reference_runs_with_a_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
     for name in ("osk", "kap"):   # as if the DSL were missing: importing the kernels fails
@@ -117,6 +125,38 @@ def test_run_before_plan_raises(batch):
         wrapper.run(batch.q, batch.cache)
     with expect(RuntimeError, "before plan"):
         wrapper.stats()
+
+
+def test_stats_before_a_run_raise_instead_of_reading_the_workspace(batch):
+    workspace = torch.full((1 << 16,), 7, dtype=torch.uint8)   # stale bytes, as a reused workspace holds
+    wrapper = cosa.CoSAPrefillWrapper(workspace)
+    wrapper.plan(*plan_args(batch), budget=0.5)
+    with expect(RuntimeError, "no run has written the counts"):
+        wrapper.stats()
+    wrapper.run(batch.q, batch.cache)
+    assert (wrapper.stats().computed >= 1).all()
+    other = cosa.plan(*plan_args(batch), budget=0.5, workspace=workspace)   # the same bytes again
+    with expect(RuntimeError, "no run has written the counts"):
+        other.stats()
+
+
+def test_the_plan_keeps_the_page_table_it_was_given(batch):
+    kv_indices = batch.kv_indices.clone()
+    plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE,
+                     q_data_type=torch.bfloat16)
+    before = cosa.run(plan, batch.q, batch.cache)
+    kv_indices.copy_(kv_indices.flip(0))   # the caller reuses its buffer for another batch
+    torch.testing.assert_close(cosa.run(plan, batch.q, batch.cache), before, rtol=0, atol=0)
+
+
+def test_a_workspace_slice_at_any_offset_gives_aligned_buffers(batch):
+    workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    plan = cosa.plan(*plan_args(batch), budget=0.5, workspace=workspace[3:], q_data_type=torch.bfloat16)
+    for buffer in (plan.order, plan.computed, plan.skipped, plan.lse, plan.qbar, plan.kbar):
+        assert buffer.data_ptr() % api._ALIGN == 0
+    reference_plan = cosa.plan(*plan_args(batch), budget=0.5, q_data_type=torch.bfloat16)
+    torch.testing.assert_close(cosa.run(plan, batch.q, batch.cache), cosa.run(reference_plan, batch.q, batch.cache),
+                               rtol=0, atol=0)
 
 
 def test_workspace_checks(batch):
@@ -189,6 +229,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args[:4], 4.0, 2, D, PAGE)
     with expect(ValueError, "head_dim"):
         cosa.plan(*args[:6], 96, PAGE)
+    with expect(TypeError, "head_dim must be an int, got float"):
+        cosa.plan(*args[:6], 64.0, PAGE)
     with expect(ValueError, "page_size"):
         cosa.plan(*args[:7], 24)
     with expect(TypeError, "budget must be a float, got str"):
@@ -201,6 +243,11 @@ def test_scalar_checks(batch):
         cosa.plan(*args, delta=-0.1)
     with expect(ValueError, "sm_scale"):
         cosa.plan(*args, sm_scale=0.0)
+    with expect(TypeError, "sm_scale must be a float or None, got str"):
+        cosa.plan(*args, sm_scale="0.1")
+    for flag in ("causal", "force_local", "force_sink"):
+        with expect(TypeError, f"{flag} must be a bool, got str"):
+            cosa.plan(*args, **{flag: "no"})
     with expect(TypeError, "q_data_type"):
         cosa.plan(*args, q_data_type=torch.int8)
     with expect(ValueError, "kv_layout"):

@@ -25,7 +25,7 @@ from .reference import ordered_skip_attention
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-_ALIGN = 256  # bytes between buffers carved from a workspace
+_ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
 
 
@@ -132,12 +132,16 @@ class Plan:
 
     def stats(self) -> Stats:
         """Statistics of the latest ``run`` with this plan (synchronises). A copy: later
-        runs leave it as it is."""
+        runs leave it as it is. Raises before the first run (``plan`` marks the counts
+        unwritten with -1)."""
         def copy(x: torch.Tensor) -> torch.Tensor:
             return x.to("cpu", copy=True)
+        computed, skipped = copy(self.computed), copy(self.skipped)
+        if (computed < 0).any() or (skipped < 0).any():
+            raise RuntimeError("plan.stats(): no run has written the counts since this plan, or since "
+                               "a later plan on the same workspace")
         return Stats(candidates=copy(self.qtiles[:, _C.QT_NUM_CANDIDATES]),
-                     selected=copy(self.qtiles[:, _C.QT_NUM_SELECTED]),
-                     computed=copy(self.computed), skipped=copy(self.skipped))
+                     selected=copy(self.qtiles[:, _C.QT_NUM_SELECTED]), computed=computed, skipped=skipped)
 
 
 def _check_index_tensor(name: str, x, device: torch.device | None = None) -> torch.Tensor:
@@ -166,10 +170,11 @@ def _carve(workspace: torch.Tensor | None, device: torch.device,
     if workspace is None:
         return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in buffers]
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in buffers]
-    needed = sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
+    offset = -workspace.data_ptr() % _ALIGN   # every buffer starts _ALIGN-aligned, whatever the slice
+    needed = offset + sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
     if workspace.numel() < needed:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, this plan needs {needed}")
-    carved, offset = [], 0
+    carved = []
     for (shape, dtype), size in zip(buffers, sizes):
         carved.append(workspace[offset:offset + size].view(dtype).view(shape))
         offset += -(-size // _ALIGN) * _ALIGN
@@ -185,12 +190,13 @@ def check_workspace(workspace) -> torch.Tensor:
 
 
 def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale,
-                        q_data_type, kv_data_type, kv_layout, proxy) -> float:
+                        q_data_type, kv_data_type, kv_layout, proxy, causal, force_local, force_sink) -> float:
     """Checks plan's scalar arguments (the page table's content is the C++ layer's); returns sm_scale."""
     check_kv_layout(kv_layout)
     check_proxy(proxy)
     _check_positive_int("num_qo_heads", num_qo_heads)
     _check_positive_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
+    _check_positive_int("head_dim", head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     _check_positive_int("page_size", page_size)
@@ -201,8 +207,13 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
         raise TypeError(f"budget must be a float, got {type(budget).__name__}")
     if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < math.inf:
         raise ValueError(f"delta must be a finite float >= 0, got {delta!r}")
+    for name, flag in (("causal", causal), ("force_local", force_local), ("force_sink", force_sink)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
+        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
     if not 0 < sm_scale < math.inf:
         raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
     return sm_scale
@@ -224,7 +235,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
-                                   sm_scale, q_data_type, kv_data_type, kv_layout, proxy)
+                                   sm_scale, q_data_type, kv_data_type, kv_layout, proxy, causal,
+                                   force_local, force_sink)
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
@@ -238,8 +250,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     tables = _C.build_plan(host["qo_indptr"], host["kv_indptr"], host["kv_indices"],
                            host["kv_last_page_len"], num_pages=2**31 - 1, page_size=page_size,
                            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           causal=bool(causal), budget=float(budget),
-                           force_local=bool(force_local), force_sink=bool(force_sink))
+                           causal=causal, budget=float(budget),
+                           force_local=force_local, force_sink=force_sink)
     used_pages = host["kv_indices"][:host["kv_indptr"][-1]]
     qtiles = tables["qtiles"]
     k_max = tables["k_max"]
@@ -256,22 +268,26 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32),
         ((pooled_tiles, num_qo_heads, head_dim), torch.float32),
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
+    computed.fill_(-1)   # unwritten until a run: stats() refuses them
+    skipped.fill_(-1)
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
     return Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=page_size, kv_layout=kv_layout, causal=bool(causal), budget=float(budget),
-        delta=float(delta), sm_scale=float(sm_scale), force_local=bool(force_local),
-        force_sink=bool(force_sink), proxy=proxy, q_data_type=q_data_type,
+        page_size=page_size, kv_layout=kv_layout, causal=causal, budget=float(budget),
+        delta=float(delta), sm_scale=float(sm_scale), force_local=force_local,
+        force_sink=force_sink, proxy=proxy, q_data_type=q_data_type,
         kv_data_type=kv_data_type, device=device,
         qo_indptr_host=tuple(int(x) for x in host["qo_indptr"]),
         kv_indptr_host=tuple(int(x) for x in host["kv_indptr"]),
         kv_lens_host=tuple(int(x) for x in tables["kv_lens"]),
         qtile_indptr_host=tuple(int(x) for x in qtile_indptr),
         min_num_pages=int(used_pages.max()) + 1 if used_pages.size else 0,
-        k_max=k_max, kv_indices=kv_indices.to(device), qo_lens=to_device(tables["qo_lens"]),
+        # a copy, as block_pages is: the plan does not follow later edits of the caller's page table
+        k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True),
+        qo_lens=to_device(tables["qo_lens"]),
         kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
         block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
         tile_order=to_device(tables["tile_order"]), rank_base=to_device(tables["rank_base"]),
@@ -385,10 +401,10 @@ def _runs_kernels(device: torch.device) -> bool:
 
 def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype) -> Callable | None:
-    """The OSK kernel's launcher for this configuration, or None: no CUDA device, a
-    dtype or head_dim it lacks, and with a warning (the reference is far slower) a GPU
-    other than Hopper or no CuTe DSL installed."""
-    if device.type != "cuda" or kv_data_type != q_data_type:
+    """The OSK kernel's launcher for this configuration, or None: no CUDA device, and with a
+    warning (the reference is far slower) a GPU other than Hopper, no CuTe DSL installed, or
+    dtypes the kernel lacks."""
+    if device.type != "cuda":
         return None
     if not _runs_kernels(device):
         major, minor = torch.cuda.get_device_capability(device)
@@ -401,7 +417,12 @@ def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
         warnings.warn(f"cosa: the OSK kernel is unavailable ({error}); run uses the exact reference",
                       stacklevel=3)
         return None
-    return osk.osk_forward if osk.supported(head_dim, q_data_type) else None
+    if kv_data_type != q_data_type or not osk.supported(head_dim, q_data_type):
+        warnings.warn(f"cosa: the OSK kernel takes fp16 or bf16 q and K/V of one dtype, not "
+                      f"q_data_type={q_data_type}, kv_data_type={kv_data_type}; run uses the exact reference",
+                      stacklevel=3)
+        return None
+    return osk.osk_forward
 
 
 def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
