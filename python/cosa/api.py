@@ -65,7 +65,8 @@ class Plan:
     ``kernel`` are read by each ``run``, so a ``dataclasses.replace`` of them takes effect
     (``calibrate_delta`` replaces delta, ``bench/bench_osk_ab.py`` the kernel); the others
     shaped the plan's tables (``budget``, ``force_local`` and ``force_sink`` the selection
-    and ranking, ``causal`` the candidates), so change them through ``plan``."""
+    and ranking, ``causal`` the candidates, ``proxy`` whether the KAP kernel ranks), so
+    change them through ``plan``."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -232,6 +233,10 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     given). ``budget`` is the stage-1 fraction ``b1`` of candidate key blocks,
     ``delta`` the stage-2 knob (0 turns skipping off), ``proxy`` the stage-1
     scorer (``cosa.proxy.PROXIES``; CoSA's own is ``"kap"``).
+
+    Without ``workspace`` the plan allocates its buffers (order mask, counts, scratch);
+    with one it cuts them from it, so plans made on one workspace share them: the
+    latest ``run`` of any of them is what each one's ``stats()`` reads.
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
