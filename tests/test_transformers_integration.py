@@ -133,3 +133,31 @@ def test_other_families_prefill_through_cosa(family):
     torch.testing.assert_close(model(ids).logits, dense, rtol=1e-9, atol=1e-9)
     for layer in model.model.layers:
         assert layer.self_attn.cosa_plan.stats().density_stage2 == 1.0, "the layer ran through CoSA"
+
+
+@torch.no_grad()
+def test_a_head_dim_cosa_lacks_runs_dense_sdpa():
+    torch.manual_seed(torch.seed() % 2**31)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      attn_implementation="sdpa")
+    model = float64_norms(transformers.LlamaForCausalLM(config).eval().double())
+    ids = torch.randint(512, (1, 300))
+    dense = model(ids).logits
+    cosa_hf.register(budget=0.25, delta=0.05)
+    model.set_attn_implementation("cosa")
+    torch.testing.assert_close(model(ids).logits, dense, rtol=1e-9, atol=1e-9)
+    assert not hasattr(model.model.layers[0].self_attn, "cosa_plan"), "no layer planned CoSA"
+
+
+@torch.no_grad()
+def test_attention_sinks_raise():
+    """gpt-oss passes its per-head sink logits as s_aux; dropping them would change every output."""
+    config = transformers.GptOssConfig(vocab_size=512, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_local_experts=4,
+                                       num_experts_per_tok=2, layer_types=["full_attention"] * 2)
+    model = transformers.GptOssForCausalLM(config).eval()
+    cosa_hf.register(budget=1.0, delta=0.0)
+    model.set_attn_implementation("cosa")
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        model(torch.randint(512, (1, 300)))

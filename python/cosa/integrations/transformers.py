@@ -4,11 +4,13 @@
     cosa_hf.register(budget=0.25, delta=0.05)          # once; options apply to every layer
     model.set_attn_implementation("cosa")               # or from_pretrained(..., attn_implementation="cosa")
 
-Prefill steps (more than one query row, no padding, plain causal masking) run
-:func:`cosa.run` on a paged copy of the layer's K/V: on the GPU the OSK kernel,
-on the CPU the exact reference. Everything else (decode steps, padded batches,
-sliding windows, other mask overlays) runs dense SDPA. The latest plan of each
-layer is kept as ``module.cosa_plan`` for its statistics.
+Prefill steps (more than one query row, no padding, plain causal masking, a
+head_dim CoSA has) run :func:`cosa.run` on a paged copy of the layer's K/V: on the
+GPU the OSK kernel, on the CPU the exact reference. Everything else (decode steps,
+padded batches, sliding windows, other mask overlays, other head sizes) runs dense
+SDPA. Attention sinks (``s_aux``, as gpt-oss passes them), which neither CoSA nor
+SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
+for its statistics.
 
 :func:`capture_qkv` records the post-RoPE queries, keys and values of every
 layer of one forward pass, for accuracy studies (``cosa.eval``).
@@ -23,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
 
-from ..api import plan, run
+from ..api import SUPPORTED_HEAD_DIMS, plan, run
 from ..blocks import BLOCK
 from ..paged import to_pages, uniform_page_table
 
@@ -60,9 +62,13 @@ def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
     """transformers' attention signature: ``query [B, Hq, q, d]``, ``key/value
     [B, Hkv, kv, d]`` (cache included); returns ``([B, q, Hq, d], None)``."""
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(f"{NAME}: attention sinks (s_aux) are not supported; run this model with "
+                                  "its own attention implementation")
     batch, num_qo_heads, q_len, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
-    if q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None:
+    if (q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None
+            or head_dim not in SUPPORTED_HEAD_DIMS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     cache_key = (batch, q_len, kv_len, query.dtype, key.dtype, query.device, tuple(sorted(_options.items())))
