@@ -69,11 +69,8 @@ def vertical_slash_model(q, k, tile, h, causal, sm_scale, last_q=64):
             vertical[j] += p
             slash[pos - j] = slash.get(pos - j, 0.0) + p
     rows = range(tile * BLOCK, min(tile * BLOCK + BLOCK, q_len))
-    distance = torch.tensor([[kv_len - q_len + t - j for j in range(kv_len)] for t in rows])
-    table = torch.zeros(2 * kv_len, dtype=torch.float64)
-    for dist, mass in slash.items():
-        table[dist + kv_len] = mass
-    per_key = vertical + table[distance + kv_len].mean(0)
+    per_key = vertical + torch.tensor([[slash.get(kv_len - q_len + t - j, 0.0) for j in range(kv_len)]
+                                       for t in rows], dtype=torch.float64).mean(0)
     return torch.nn.functional.pad(per_key, (0, -kv_len % BLOCK)).view(-1, BLOCK).sum(1)
 
 
@@ -100,23 +97,28 @@ def model_scores(proxy, q, k, tile, h, causal, sm_scale, candidates):
 
 
 @pytest.mark.parametrize("proxy", ["xattention8", "xattention16", "flexprefill", "vertical_slash", "oracle"])
-@pytest.mark.parametrize("q_len,kv_len", [(300, 700), (200, 200)])
-def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len):
+@pytest.mark.parametrize("q_len,kv_len,causal", [(300, 700, True), (200, 200, True), (300, 700, False),
+                                                 (300, 200, False), (300, 40, False)])
+def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal):
     g = torch.Generator().manual_seed(torch.seed())
-    structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
-        kv_len, HQ, HKV, D, q_len=q_len, segment_len=96, generator=g, dtype=torch.float64)
+
+    def structured(r, q_len, kv_len):   # more queries than keys (non-causal): keys of the first positions
+        q, k, v = structured_qkv(max(q_len, kv_len), HQ, HKV, D, q_len=q_len, segment_len=96, generator=g,
+                                 dtype=torch.float64)
+        return q, k[:kv_len], v[:kv_len]
     batch = make_batch([q_len], [kv_len], HQ, HKV, D, PAGE, generator=g, qkv=structured)
     plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                     HQ, HKV, D, PAGE, budget=0.4, delta=0.0, q_data_type=torch.float64, proxy=proxy)
+                     HQ, HKV, D, PAGE, causal=causal, budget=0.4, delta=0.0, q_data_type=torch.float64,
+                     proxy=proxy)
     assert plan.proxy == proxy
     cosa.run(plan, batch.q, batch.cache)
     q, k, _ = batch.requests[0]
     sm_scale = 1 / math.sqrt(D)
-    schedule = oracle.tile_schedule(q_len, kv_len, True, 0.4, True, True)
-    scores = PROXIES[proxy](q, k, plan.qtiles, causal=True, sm_scale=sm_scale)
+    schedule = oracle.tile_schedule(q_len, kv_len, causal, 0.4, True, True)
+    scores = PROXIES[proxy](q, k, plan.qtiles, causal=causal, sm_scale=sm_scale)
     for i, (candidates, local, selected) in enumerate(schedule):
         for h in range(HQ):
-            want = model_scores(proxy, q, k, i, h, True, sm_scale, candidates)
+            want = model_scores(proxy, q, k, i, h, causal, sm_scale, candidates)
             torch.testing.assert_close(scores[h, i, :candidates], want[:candidates], rtol=1e-9, atol=1e-12)
             forced = local + ([0] if 0 not in local else [])
             rest = sorted((j for j in range(candidates) if j not in forced),

@@ -40,22 +40,26 @@ def vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor
     vertical = torch.nn.functional.pad(vertical, (0, kv_blocks * BLOCK - kv_len))
     vertical = vertical.view(num_qo_heads, kv_blocks, BLOCK).sum(-1)       # [hq, kv_blocks]
 
-    # slash[o]: mass at distance o - (kv_len - 1) (offsets shifted to be >= 0).
-    # Row r's keys kv_len-1 .. 0 land on offsets p_r .. p_r + kv_len - 1.
-    slash = torch.zeros((num_qo_heads, 2 * kv_len - 1), dtype=torch.float64, device=device)
+    # slash[o]: mass at distance o - (span - 1), offsets shifted to be >= 0.  Distances run
+    # from 1 - q_len (the first query row, at position kv_len - q_len, to the last key) to
+    # kv_len - 1, so span = max(q_len, kv_len) covers them.  Row r's keys kv_len-1 .. 0 land
+    # on offsets p_r + span - kv_len onwards.
+    span = max(q_len, kv_len)
+    slash = torch.zeros((num_qo_heads, span + kv_len - 1), dtype=torch.float64, device=device)
     for row, position in enumerate(range(kv_len - last, kv_len)):
-        slash[:, position:position + kv_len] += probabilities[:, row].flip(-1)
-    # Sum of slash over a key range [a, b) for a row at position p is C[p-a+L] - C[p-b+L]
+        first = position + span - kv_len
+        slash[:, first:first + kv_len] += probabilities[:, row].flip(-1)
+    # Sum of slash over a key range [a, b) for a row at position p is C[p-a+span] - C[p-b+span]
     # (C the prefix sum); summed over a tile's rows [p0, p1) it is a difference of D = prefix sum of C.
-    prefix = torch.nn.functional.pad(slash.cumsum(-1), (1, 0))             # C, length 2L
-    prefix2 = torch.nn.functional.pad(prefix.cumsum(-1), (1, 0))           # D, length 2L+1
+    prefix = torch.nn.functional.pad(slash.cumsum(-1), (1, 0))             # C
+    prefix2 = torch.nn.functional.pad(prefix.cumsum(-1), (1, 0))           # D
     tile_first = kv_len - q_len + torch.arange(tiles, device=device) * BLOCK
     tile_rows = (q_len - torch.arange(tiles, device=device) * BLOCK).clamp(max=BLOCK)
     block_first = torch.arange(kv_blocks, device=device) * BLOCK
     block_end = (block_first + BLOCK).clamp(max=kv_len)
 
-    def rows_sum(key_start):                     # sum over the tile's rows of C[p - key_start + L]
-        base = kv_len - key_start[None, :]
+    def rows_sum(key_start):                     # sum over the tile's rows of C[p - key_start + span]
+        base = span - key_start[None, :]
         upper = (tile_first + tile_rows)[:, None] + base
         lower = tile_first[:, None] + base
         return prefix2[:, upper.flatten()] - prefix2[:, lower.flatten()]
