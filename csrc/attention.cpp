@@ -273,7 +273,10 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->delta = args->delta;
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
         const bool ranks = kap_ranks(host);
-        const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(host.rank_base.size());
+        const std::vector<int64_t> rank_base =
+            ranks ? cosa::build_rank_base(host, args->remap.force_local, args->remap.force_sink)
+                  : std::vector<int64_t>{};
+        const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(rank_base.size());
         int64_t at = 0;
         auto carve = [&](int64_t& offset, int64_t words) {
             offset = at;
@@ -309,7 +312,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         upload(plan->block_pages, host.block_pages);
         upload(plan->qtiles, host.qtiles);
         upload(plan->tile_order, host.tile_order);
-        if (ranks) upload(plan->rank_base, host.rank_base);
+        if (ranks) upload(plan->rank_base, rank_base);
         plan->remap.plan = std::move(host);
         *out = plan.release();
 #else

@@ -95,6 +95,7 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
     args.force_local = force_local;
     args.force_sink = force_sink;
     cosa::Plan plan = cosa::build_plan(args);
+    std::vector<int64_t> rank_base = cosa::build_rank_base(plan, force_local, force_sink);
 
     const py::ssize_t batch = plan.batch_size();
     const py::ssize_t num_kv_blocks = plan.num_kv_blocks();
@@ -109,7 +110,7 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
         to_numpy(std::move(plan.block_pages), {num_kv_blocks, plan.pages_per_block});
     tables["qtiles"] = to_numpy(std::move(plan.qtiles), {num_qtiles, COSA_QT_COLUMNS});
     tables["tile_order"] = to_numpy(std::move(plan.tile_order), {num_tiles, 2});
-    tables["rank_base"] = to_numpy(std::move(plan.rank_base), {num_qtiles, max_request_blocks});
+    tables["rank_base"] = to_numpy(std::move(rank_base), {num_qtiles, max_request_blocks});
     tables["k_max"] = plan.k_max;
     tables["pages_per_block"] = plan.pages_per_block;
     tables["num_qo_heads"] = plan.num_qo_heads;

@@ -58,8 +58,6 @@ struct Plan {
     std::vector<int32_t> block_pages;      // [num_kv_blocks, pages_per_block]
     std::vector<int32_t> qtiles;           // [num_qtiles, COSA_QT_COLUMNS]
     std::vector<int32_t> tile_order;       // [num_tiles, 2]
-    // The ranking keys without the score code: [num_qtiles, max_request_blocks()].
-    std::vector<int64_t> rank_base;
 
     int64_t batch_size() const { return static_cast<int64_t>(qo_lens.size()); }
     int64_t num_kv_blocks() const {
@@ -81,6 +79,13 @@ struct Plan {
 // Throws std::invalid_argument, its message starting with the offending
 // argument's name, when `args` breaks a rule of cosa.h's cosa_remap_args.
 COSA_API Plan build_plan(const PlanArgs& args);
+
+// The proxy's ranking keys without the score code, [num_qtiles, max_request_blocks()]: each
+// tile's visiting priority (forced local blocks, the sink, the scored candidates, then the
+// blocks the tile cannot see) and block index.  Only a stage-1 ranking needs it, so it is not
+// part of the remap plan.  Throws std::invalid_argument naming qo_indptr and kv_indptr when
+// the table would exceed int32 entries.
+COSA_API std::vector<int64_t> build_rank_base(const Plan& plan, bool force_local, bool force_sink);
 
 // Writes order's physical pages to out_pages
 // [num_qtiles, num_qo_heads, k_max, pages_per_block] (see

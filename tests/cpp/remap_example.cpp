@@ -91,6 +91,32 @@ int main() {
     CHECK(std::strncmp(cosa_last_error(), "order", 5) == 0);
 
     cosa_remap_plan_destroy(plan);
+
+    // The remap plan holds no ranking table (only a stage-1 ranking needs one), so a request
+    // too long for that table still plans here: 2^23 tokens, 2^16 query tiles by 2^16 key
+    // blocks, 2^32 ranking keys.
+    const int32_t long_tokens = 1 << 23, long_page = 256, long_pages = long_tokens / long_page;
+    std::vector<int32_t> long_indices(static_cast<size_t>(long_pages));
+    for (int32_t i = 0; i < long_pages; ++i) long_indices[static_cast<size_t>(i)] = i;
+    const std::vector<int32_t> long_qo = {0, long_tokens}, long_kv = {0, long_pages}, long_last = {long_page};
+    cosa_remap_args long_args = args;
+    long_args.qo_indptr = long_qo.data();
+    long_args.qo_indptr_size = 2;
+    long_args.kv_indptr = long_kv.data();
+    long_args.kv_indptr_size = 2;
+    long_args.kv_indices = long_indices.data();
+    long_args.kv_indices_size = long_pages;
+    long_args.kv_last_page_len = long_last.data();
+    long_args.kv_last_page_len_size = 1;
+    long_args.num_pages = long_pages;
+    long_args.page_size = long_page;
+    long_args.num_qo_heads = 1;
+    long_args.budget = 1e-9;
+    cosa_remap_plan* long_plan = nullptr;
+    CHECK(cosa_remap_plan_create(&long_args, &long_plan) == COSA_OK);
+    CHECK(cosa_remap_plan_info(long_plan, &sizes) == COSA_OK && sizes.num_qtiles == 1 << 16);
+    cosa_remap_plan_destroy(long_plan);
+
     failures += check_error_path();
     if (failures == 0) std::printf("remap_example: all checks passed\n");
     return failures == 0 ? 0 : 1;
