@@ -2,6 +2,7 @@
 // memory, launched with the KAP and OSK kernels that cute_kernels/aot.py exported
 // ahead of time. Without COSA_AOT_KERNELS only the argument checks are compiled.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -76,16 +77,21 @@ using cosa::require;
 
 [[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
 
+// The largest sm_scale whose sm_scale * log2(e) is a finite float32.
+constexpr double kMaxSmScale = std::numeric_limits<float>::max() / 1.4426950408889634;
+
 void check_plan_args(const cosa_plan_args& a) {
     if (a.remap.head_dim != 64 && a.remap.head_dim != 128)
         invalid("head_dim must be 64 or 128, got " + std::to_string(a.remap.head_dim));
     if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
         invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
                 std::to_string(static_cast<int>(a.dtype)));
-    if (!(std::isfinite(a.sm_scale) && a.sm_scale > 0))
-        invalid("sm_scale must be finite and > 0, got " + std::to_string(a.sm_scale));
+    // The kernels scale logits by sm_scale * log2(e) in float32.
+    if (!(a.sm_scale > 0 && a.sm_scale <= kMaxSmScale))
+        invalid("sm_scale must be in (0, " + cosa::repr(kMaxSmScale) + "] (float32 logits), got " +
+                cosa::repr(a.sm_scale));
     if (!(std::isfinite(a.delta) && a.delta >= 0))
-        invalid("delta must be finite and >= 0, got " + std::to_string(a.delta));
+        invalid("delta must be finite and >= 0, got " + cosa::repr(a.delta));
     if (a.remap.num_pages > std::numeric_limits<int32_t>::max())
         invalid("num_pages must fit in int32, got " + std::to_string(a.remap.num_pages));
 }
@@ -98,6 +104,28 @@ void check_operand(const void* data, const int64_t* strides, int rank, const cha
         if (strides[i] <= 0 || strides[i] % 8 != 0)
             invalid(std::string(name) + " strides must be positive multiples of 8, got stride[" +
                     std::to_string(i) + "]=" + std::to_string(strides[i]));
+}
+
+// o [tokens, heads, head_dim] is written by many CTAs at once: no two of its elements may share
+// an address.  Taken by increasing stride, each dim must step past everything the dims below
+// it span (head_dim contiguous elements first).
+void check_disjoint(const int64_t* strides, int64_t tokens, int64_t heads, int64_t head_dim, const char* name) {
+    struct Dim {
+        int64_t extent, stride;
+    };
+    std::array<Dim, 2> dims{{{tokens, strides[0]}, {heads, strides[1]}}};
+    if (dims[0].stride > dims[1].stride) std::swap(dims[0], dims[1]);
+    int64_t span = head_dim;  // one past the largest offset the dims so far reach
+    for (const Dim& dim : dims) {
+        if (dim.extent <= 1) continue;
+        if (dim.stride < span)
+            invalid(std::string(name) + " strides {" + std::to_string(strides[0]) + ", " + std::to_string(strides[1]) +
+                    "} make its [" + std::to_string(tokens) + ", " + std::to_string(heads) + ", " +
+                    std::to_string(head_dim) + "] elements overlap");
+        span = dim.stride > (std::numeric_limits<int64_t>::max() - span) / (dim.extent - 1)
+                   ? std::numeric_limits<int64_t>::max()
+                   : span + dim.stride * (dim.extent - 1);
+    }
 }
 
 }  // namespace
@@ -334,6 +362,7 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         check_operand(args->v_cache, args->v_strides, 3, "v_cache");
         check_operand(args->o, args->o_strides, 2, "o");
         const cosa::Plan& p = plan->remap.plan;
+        check_disjoint(args->o_strides, plan->total_q, p.num_qo_heads, plan->head_dim, "o");
         if (p.num_tiles() == 0) return;  // no query rows: nothing to write
         if (args->order == nullptr && !kap_ranks(p))
             invalid("order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +

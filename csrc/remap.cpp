@@ -1,7 +1,6 @@
 #include "remap.hpp"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -23,12 +22,6 @@ template <class... Parts>
     std::ostringstream message;
     (message << ... << parts);
     throw std::invalid_argument(message.str());
-}
-
-// Shortest round-trip form, so that a rejected 1.0000001 does not print as 1.
-std::string repr(double value) {
-    char buffer[32];
-    return std::string(buffer, std::to_chars(buffer, buffer + sizeof buffer, value).ptr);
 }
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

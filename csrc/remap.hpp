@@ -4,12 +4,20 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "cosa/cosa.h"  // COSA_BLOCK_SIZE and the qtile columns, shared with C users
 
 namespace cosa {
+
+// Shortest round-trip form, so that a rejected 1.0000001 does not print as 1 (nor -1e-9 as -0.000000).
+inline std::string repr(double value) {
+    char buffer[32];
+    return std::string(buffer, std::to_chars(buffer, buffer + sizeof buffer, value).ptr);
+}
 
 inline constexpr std::array<int32_t, 5> kPageSizes = {16, 32, 64, 128, 256};
 

@@ -268,8 +268,9 @@ def c_api(site) -> _CApi:
 BAD_PLAN_ARGS = {
     "head_dim": ({"head_dim": 96}, "head_dim must be 64 or 128, got 96"),
     "dtype": ({"dtype": 7}, "dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got 7"),
-    "sm_scale": ({"sm_scale": float("nan")}, "sm_scale must be finite and > 0"),
-    "delta": ({"delta": -1.0}, "delta must be finite and >= 0"),
+    "sm_scale": ({"sm_scale": float("nan")}, "sm_scale must be in (0, "),
+    "sm_scale beyond float32": ({"sm_scale": 1e39}, "sm_scale must be in (0, 2.358"),
+    "delta": ({"delta": -1e-9}, "delta must be finite and >= 0, got -1e-09"),
     "page table": ({"kv_last_page_len_size": 2}, "kv_last_page_len must have B = 1 entries"),
 }
 
@@ -301,6 +302,7 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
             "q must be 16-byte aligned": {"q": q.data_ptr() + 2},
             "k_cache strides must be positive multiples of 8, got stride[1]=4": {"k_strides": (k.stride(0), 4, 128)},
             "o must not be NULL": {"o": None},
+            f"o strides {{512, 8}} make its [{tokens}, 4, 128] elements overlap": {"o_strides": (512, 8)},
         }
         for message, changes in cases.items():
             bad = _RunArgs.from_buffer_copy(args)

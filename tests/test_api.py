@@ -243,6 +243,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args, delta=-0.1)
     with expect(ValueError, "sm_scale"):
         cosa.plan(*args, sm_scale=0.0)
+    with expect(ValueError, r"sm_scale must be in \(0, 2.359e\+38\] \(float32 logits\), got 1e\+39"):
+        cosa.plan(*args, sm_scale=1e39)
     with expect(TypeError, "sm_scale must be a float or None, got str"):
         cosa.plan(*args, sm_scale="0.1")
     for flag in ("causal", "force_local", "force_sink"):
@@ -293,6 +295,15 @@ def test_run_argument_checks(batch):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:2], dtype=torch.float64))
     with expect(ValueError, "lse"):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:1]))
+    with expect(ValueError, "out's elements overlap"):
+        cosa.run(plan, batch.q, batch.cache, out=torch.empty_like(batch.q[:1]).expand_as(batch.q))
+    with expect(ValueError, "out's elements overlap"):
+        cosa.run(plan, batch.q, batch.cache, out=batch.q.new_empty(batch.q.numel()).as_strided(batch.q.shape, (D, D, 1)))
+    with expect(ValueError, "lse's elements overlap"):
+        cosa.run(plan, batch.q, batch.cache, lse=torch.empty(1, HQ).expand(batch.q.shape[0], HQ))
+    wide = torch.full((batch.q.shape[0], HQ + 1, D), float("nan"), dtype=batch.q.dtype)  # disjoint, not contiguous
+    cosa.run(plan, batch.q, batch.cache, out=wide[:, 1:])
+    assert not wide[:, 1:].isnan().any() and wide[:, 0].isnan().all()
 
 
 def test_calibrated_delta_reaches_the_target_density():

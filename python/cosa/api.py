@@ -27,6 +27,8 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
+# The largest sm_scale whose sm_scale * log2(e), which the kernels scale logits by, is a finite float32
+MAX_SM_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -215,8 +217,8 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not 0 < sm_scale < math.inf:
-        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    if not 0 < sm_scale <= MAX_SM_SCALE:
+        raise ValueError(f"sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
     return sm_scale
 
 
@@ -329,11 +331,24 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device:
             raise ValueError(f"out must be a tensor like q: shape {tuple(q.shape)}, {q.dtype}, on {q.device}")
+        _check_disjoint("out", out)
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:2] \
                 or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
+        _check_disjoint("lse", lse)
     return k, v
+
+
+def _check_disjoint(name: str, x: torch.Tensor) -> None:
+    """An output's elements are written in parallel: no two may share an address (as in an
+    expanded view). Taken by increasing stride, each dim must step past all the ones below span."""
+    span = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1):
+        if stride < span:
+            raise ValueError(f"{name}'s elements overlap (shape {tuple(x.shape)}, strides {x.stride()}): "
+                             "it must not be an expanded or overlapping view")
+        span += stride * (size - 1)
 
 
 def _requests(plan: Plan):

@@ -15,7 +15,9 @@
  *    parameters are left untouched unless documented otherwise.
  *  - Arrays are int32, row-major, passed as pointer + element count; a
  *    pointer may be NULL only when its count is 0.
- *  - A plan is immutable after creation and may be read from many threads.
+ *  - A plan's tables are immutable after creation and may be read from many
+ *    threads; cosa_run writes a plan's device scratch only where the caller
+ *    passes no buffer of its own (see cosa_run).
  */
 #ifndef COSA_COSA_H
 #define COSA_COSA_H
@@ -94,6 +96,9 @@ COSA_API const char* cosa_last_error(void);
  * (query head h reads kv head h / (num_qo_heads / num_kv_heads)); with
  * head_dim (1..65536) it sizes the K and V of one kv head, which the tile order
  * uses to keep the kv heads that run together within L2.
+ * No field has a default: a zero-initialised struct is non-causal with no
+ * block forced, whereas Python's cosa.plan defaults causal, force_local and
+ * force_sink to true.
  */
 typedef struct cosa_remap_args {
     const int32_t* qo_indptr;
@@ -190,7 +195,8 @@ typedef struct cosa_plan_args {
     cosa_remap_args remap; /* page table, heads and selection, as for cosa_remap_plan_create;
                               remap.head_dim 64 or 128 */
     cosa_dtype dtype;      /* of q, the cache and o */
-    double sm_scale;       /* logit scale, > 0 (usually 1/sqrt(head_dim)) */
+    double sm_scale;       /* logit scale in (0, FLT_MAX / log2(e)], float32 logits
+                              (usually 1/sqrt(head_dim)) */
     double delta;          /* stage-2 skip threshold, >= 0; 0 computes every selected block */
 } cosa_plan_args;
 
@@ -222,7 +228,8 @@ COSA_API const cosa_remap_plan* cosa_plan_remap(const cosa_plan* plan);
  * [num_pages, page_size, H, D] is {page_size*H*D, H*D, D} and HND
  * [num_pages, H, page_size, D] is {H*page_size*D, D, page_size*D}; views of
  * one combined [num_pages, 2, ...] cache are fine. Every stride is a multiple
- * of 8 and every q, k, v, o pointer 16-byte aligned.
+ * of 8 and every q, k, v, o pointer 16-byte aligned; no two elements of o
+ * may share an address.
  */
 typedef struct cosa_run_args {
     const void* q;
