@@ -276,8 +276,10 @@ BAD_PLAN_ARGS = {
 
 
 @pytest.mark.parametrize("changes, message", BAD_PLAN_ARGS.values(), ids=BAD_PLAN_ARGS.keys())
-def test_plan_create_rejects_bad_arguments_naming_them(c_api, changes, message):
-    # checked before any CUDA call: no GPU needed
+def test_plan_create_rejects_bad_arguments_naming_them(changes, message):
+    # checked before any CUDA call and before the kernels are needed: the installed package's
+    # libcosa answers, built with the kernels or not, with or without a GPU
+    c_api = _CApi(Path(cosa.__file__).parent / "lib" / "libcosa.so")
     status, plan = c_api.create(c_api.plan_args(1000, **changes))
     assert (status, plan.value) == (_INVALID_ARGUMENT, None)
     assert c_api.error().startswith(message)
