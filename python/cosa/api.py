@@ -342,7 +342,8 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
 
 def _check_disjoint(name: str, x: torch.Tensor) -> None:
     """An output's elements are written in parallel: no two may share an address (as in an
-    expanded view). Taken by increasing stride, each dim must step past all the ones below span."""
+    expanded view). Taken by increasing stride, each dim's stride must reach past every
+    element the dims below it span."""
     span = 1
     for stride, size in sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1):
         if stride < span:
