@@ -20,7 +20,7 @@ def test_paged_kv_cache_round_trips(kv_layout, combined, page_size):
     cache, kv_indptr, kv_indices, last = paged_kv_cache(k, v, KV_LENS, page_size, kv_layout, combined=combined,
                                                         generator=g)
     assert isinstance(cache, torch.Tensor) == combined
-    k_cache, v_cache = split_kv_cache(cache, kv_layout)
+    k_cache, v_cache = split_kv_cache(cache)
     pages = [-(-n // page_size) for n in KV_LENS]
     assert kv_indptr.tolist() == indptr(pages).tolist()
     assert sorted(kv_indices.tolist()) == list(range(sum(pages))), "every page used once"
@@ -62,3 +62,31 @@ def test_uniform_page_table_describes_to_pages():
     for r in range(3):
         torch.testing.assert_close(gather_pages(to_pages(x, 16), "NHD", kv_indices[kv_indptr[r]:kv_indptr[r + 1]], 40),
                                    x[r], rtol=0, atol=0)
+
+
+def test_bad_arguments_are_named():
+    k = torch.randn(40, HEADS, D)
+    with pytest.raises(ValueError, match="kv_lens must add up to k's 40 rows, got 60"):
+        paged_kv_cache(k, k, [30, 30], 16)
+    with pytest.raises(ValueError, match="kv_lens must add up to k's 40 rows, got 20"):
+        paged_kv_cache(k, k, [10, 10], 16)
+    with pytest.raises(ValueError, match="v must be like k"):
+        paged_kv_cache(k, k[:, :1], [40], 16)
+    with pytest.raises(ValueError, match="v must be like k"):
+        paged_kv_cache(k, k.double(), [40], 16)
+    with pytest.raises(ValueError, match="k must be 3-D"):
+        paged_kv_cache(k[0], k, [40], 16)
+    with pytest.raises(ValueError, match=r"kv_lens\[0\] must be >= 0, got -5"):
+        page_table([-5], 16)
+    for page_size, error in ((0, ValueError), (-16, ValueError), (16.0, TypeError)):
+        with pytest.raises(error, match="page_size"):
+            page_table([10], page_size)
+        with pytest.raises(error, match="page_size"):
+            to_pages(k[None], page_size)
+    cache, kv_indptr, kv_indices, _ = paged_kv_cache(k, k, [40], 16, combined=False)
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        gather_pages(cache[0], "XYZ", kv_indices, 40)
+    with pytest.raises(ValueError, match=r"kv_len must be in \[0, 48\] for 3 pages of 16 rows, got -1"):
+        gather_pages(cache[0], "NHD", kv_indices, -1)
+    with pytest.raises(ValueError, match="the head_dim axis must be contiguous"):
+        split_kv_cache((cache[0], cache[1].transpose(-1, -2).contiguous().transpose(-1, -2)))

@@ -19,6 +19,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
+from .checks import check_int
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -159,14 +160,6 @@ def _check_index_tensor(name: str, x, device: torch.device | None = None) -> tor
     return x
 
 
-def _check_positive_int(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x < 1:
-        raise ValueError(f"{name} must be positive, got {x}")
-    return x
-
-
 def _carve(workspace: torch.Tensor | None, device: torch.device,
            buffers: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
     """Tensors of the given shapes and dtypes, cut from ``workspace`` or freshly allocated."""
@@ -197,12 +190,12 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
     """Checks plan's scalar arguments (the page table's content is the C++ layer's); returns sm_scale."""
     check_kv_layout(kv_layout)
     check_proxy(proxy)
-    _check_positive_int("num_qo_heads", num_qo_heads)
-    _check_positive_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
-    _check_positive_int("head_dim", head_dim)
+    check_int("num_qo_heads", num_qo_heads)
+    check_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
+    check_int("head_dim", head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    _check_positive_int("page_size", page_size)
+    check_int("page_size", page_size)
     for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
@@ -314,7 +307,7 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
         raise ValueError(f"q must have shape {expected} (total_q, num_qo_heads, head_dim), got {tuple(q.shape)}")
     if q.device != plan_.device:
         raise ValueError(f"q is on {q.device}, but the plan is on {plan_.device}")
-    k, v = split_kv_cache(paged_kv_cache, plan_.kv_layout)
+    k, v = split_kv_cache(paged_kv_cache)
     if k.dtype != plan_.kv_data_type:
         raise TypeError(f"paged_kv_cache is {k.dtype}, but the plan was made for kv_data_type={plan_.kv_data_type}")
     if k.device != plan_.device:

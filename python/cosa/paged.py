@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from .checks import check_int, check_tensor
+
 KV_LAYOUTS = ("NHD", "HND")
 
 
@@ -35,7 +37,7 @@ def check_kv_layout(kv_layout: str) -> str:
     return kv_layout
 
 
-def split_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def split_kv_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns 4-D views ``(k, v)`` of a combined or tuple cache."""
     if isinstance(paged_kv_cache, (tuple, list)):
         if len(paged_kv_cache) != 2 or not all(isinstance(t, torch.Tensor) for t in paged_kv_cache):
@@ -56,13 +58,13 @@ def split_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor, torch.
         k, v = paged_kv_cache[:, 0], paged_kv_cache[:, 1]
     else:
         raise TypeError(f"paged_kv_cache must be a tensor or a tuple, got {type(paged_kv_cache).__name__}")
-    if k.stride(-1) != 1:
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
         raise ValueError("paged_kv_cache: the head_dim axis must be contiguous")
     return k, v
 
 
 def cache_geometry(k: torch.Tensor, kv_layout: str) -> CacheGeometry:
-    if kv_layout == "NHD":
+    if check_kv_layout(kv_layout) == "NHD":
         num_pages, page_size, num_kv_heads, head_dim = k.shape
     else:
         num_pages, num_kv_heads, page_size, head_dim = k.shape
@@ -71,6 +73,10 @@ def cache_geometry(k: torch.Tensor, kv_layout: str) -> CacheGeometry:
 
 def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
     """The first ``kv_len`` rows stored in ``pages`` (in order) as ``[kv_len, num_kv_heads, head_dim]``."""
+    page_size = cache_geometry(cache, kv_layout).page_size
+    if not 0 <= kv_len <= pages.shape[0] * page_size:
+        raise ValueError(f"kv_len must be in [0, {pages.shape[0] * page_size}] for {pages.shape[0]} pages "
+                         f"of {page_size} rows, got {kv_len}")
     rows = cache.index_select(0, pages)
     if kv_layout == "HND":
         rows = rows.transpose(1, 2)
@@ -100,6 +106,8 @@ def page_table(kv_lens: Sequence[int], page_size: int, device=None, *, shuffle: 
     ``ceil(kv_len / page_size)`` pages of its own: consecutive physical pages in request order (the
     layout of :func:`to_pages`), or with ``shuffle`` a random permutation of them, as in a serving
     engine's page pool after some traffic (``generator`` seeds it)."""
+    page_size = check_int("page_size", page_size)
+    kv_lens = [check_int(f"kv_lens[{r}]", n, minimum=0) for r, n in enumerate(kv_lens)]
     pages = [-(-n // page_size) for n in kv_lens]
     physical = torch.randperm(sum(pages), generator=generator) if shuffle else torch.arange(sum(pages))
     last = [(n - 1) % page_size + 1 if n else 0 for n in kv_lens]
@@ -116,15 +124,22 @@ def paged_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: Sequence[int], pag
     ``[num_pages, 2, ...]`` tensor, or with ``combined=False`` a ``(k_cache, v_cache)`` tuple;
     rows past a request's last key are zero; pages are shuffled unless ``shuffle=False``."""
     check_kv_layout(kv_layout)
+    check_tensor("k", k, dim=3)
+    check_tensor("v", v, dim=3)
+    if v.shape != k.shape or v.dtype != k.dtype or v.device != k.device:
+        raise ValueError(f"v must be like k: shape {tuple(k.shape)}, {k.dtype}, on {k.device}; got "
+                         f"{tuple(v.shape)}, {v.dtype}, on {v.device}")
     kv_indptr, kv_indices, kv_last_page_len = page_table(kv_lens, page_size, k.device, shuffle=shuffle,
                                                          generator=generator)
+    if sum(kv_lens) != k.shape[0]:
+        raise ValueError(f"kv_lens must add up to k's {k.shape[0]} rows, got {sum(kv_lens)}")
     num_pages, (heads, head_dim) = kv_indices.shape[0], k.shape[1:]
     page = (page_size, heads, head_dim) if kv_layout == "NHD" else (heads, page_size, head_dim)
     if combined:
         cache = k.new_zeros(num_pages, 2, *page)
     else:
         cache = (k.new_zeros(num_pages, *page), v.new_zeros(num_pages, *page))
-    k_cache, v_cache = split_kv_cache(cache, kv_layout)
+    k_cache, v_cache = split_kv_cache(cache)
     first_page, first_row = 0, 0
     for kv_len in kv_lens:
         pages = kv_indices[first_page:first_page + -(-kv_len // page_size)]
@@ -138,6 +153,7 @@ def paged_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_lens: Sequence[int], pag
 def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """Contiguous ``x [..., n, heads, d]`` (each leading index one request) as a zero-padded NHD
     page cache ``[requests * ceil(n / page_size), page_size, heads, d]``, pages in request order."""
+    page_size = check_int("page_size", page_size)
     n, heads, d = x.shape[-3:]
     requests = x.reshape(-1, n, heads, d)
     pages = requests.new_zeros(requests.shape[0], -(-n // page_size) * page_size, heads, d)

@@ -1,0 +1,35 @@
+"""Argument checks shared by cosa's public functions; each error names the argument."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+
+def check_int(name: str, x, minimum: int = 1) -> int:
+    """``x`` as an int, if it is an integer (not a bool) of at least ``minimum``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    return int(x)
+
+
+def check_float(name: str, x, low: float = -math.inf, high: float = math.inf) -> float:
+    """``x`` as a float, if it is a real number (not a bool) in ``[low, high]``."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    if not low <= x <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {x!r}")
+    return float(x)
+
+
+def check_tensor(name: str, x, dim: int | None = None) -> torch.Tensor:
+    """``x``, if it is a tensor (of ``dim`` dimensions)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if dim is not None and x.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
+    return x
