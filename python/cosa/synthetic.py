@@ -16,6 +16,8 @@ import math
 
 import torch
 
+from .checks import check_float, check_int
+
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding (rotate-half convention) of ``x [n, heads, d]`` at ``positions [n]``."""
@@ -40,7 +42,20 @@ def structured_qkv(seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim:
     folded in) of the local, sink and topic components; ``noise`` scales the
     isotropic part of every query and key.
     """
-    q_len = seq_len if q_len is None else q_len
+    seq_len = check_int("seq_len", seq_len, minimum=0)
+    q_len = seq_len if q_len is None else check_int("q_len", q_len, minimum=0)
+    if q_len > seq_len:
+        raise ValueError(f"q_len must be at most seq_len={seq_len} (the last positions), got {q_len}")
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads)
+    if check_int("num_qo_heads", num_qo_heads) % num_kv_heads:
+        raise ValueError(f"num_kv_heads must divide num_qo_heads={num_qo_heads}, got {num_kv_heads}")
+    if check_int("head_dim", head_dim, minimum=2) % 2:
+        raise ValueError(f"head_dim must be even (RoPE rotates pairs), got {head_dim}")
+    for name, strength in (("local_strength", local_strength), ("sink_strength", sink_strength),
+                           ("topic_strength", topic_strength), ("noise", noise)):
+        check_float(name, strength, low=0.0)
+    check_int("num_topics", num_topics)
+    check_int("segment_len", segment_len)
     group = num_qo_heads // num_kv_heads
     root_d = math.sqrt(head_dim)
 
@@ -62,7 +77,7 @@ def structured_qkv(seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim:
     topic_at = topic_of.repeat_interleave(segment_len, dim=0)[:seq_len]        # [n, hkv, d]
 
     k = rope(local.expand(seq_len, -1, -1), positions) + topic_at + noise * randn(seq_len, num_kv_heads, head_dim)
-    k[0] += sink
+    k[:1] += sink   # position 0, if there is one
     q = rope(per_query_head(local).expand(seq_len, -1, -1), positions) + per_query_head(topic_at + sink)
     q = q[seq_len - q_len:] + noise * randn(q_len, num_qo_heads, head_dim)
     v = randn(seq_len, num_kv_heads, head_dim)

@@ -1,0 +1,35 @@
+"""cosa.synthetic.structured_qkv: shapes, the last positions, and its argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosa.synthetic import structured_qkv
+
+
+@pytest.mark.parametrize("seq_len,q_len", [(300, None), (300, 100), (300, 0), (0, None), (1, 1)])
+def test_shapes_and_the_last_positions(seq_len, q_len):
+    seed = torch.seed()
+    q, k, v = structured_qkv(seq_len, 8, 2, 16, q_len=q_len, noise=0.0, generator=torch.Generator().manual_seed(seed))
+    rows = seq_len if q_len is None else q_len
+    assert q.shape == (rows, 8, 16) and k.shape == v.shape == (seq_len, 2, 16)
+    full_q, full_k, _ = structured_qkv(seq_len, 8, 2, 16, noise=0.0, generator=torch.Generator().manual_seed(seed))
+    torch.testing.assert_close(q, full_q[seq_len - rows:], rtol=0, atol=0)
+    torch.testing.assert_close(k, full_k, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("args,kwargs,error,message", [
+    ((100, 4, 2, 64), {"q_len": 150}, ValueError, "q_len must be at most seq_len=100"),
+    ((100, 6, 4, 64), {}, ValueError, "num_kv_heads must divide num_qo_heads=6"),
+    ((100, 4, 0, 64), {}, ValueError, "num_kv_heads must be >= 1"),
+    ((100, 4, 2, 63), {}, ValueError, "head_dim must be even"),
+    ((-1, 4, 2, 64), {}, ValueError, "seq_len must be >= 0"),
+    ((100.0, 4, 2, 64), {}, TypeError, "seq_len must be an int"),
+    ((100, 4, 2, 64), {"segment_len": 0}, ValueError, "segment_len must be >= 1"),
+    ((100, 4, 2, 64), {"num_topics": 0}, ValueError, "num_topics must be >= 1"),
+    ((100, 4, 2, 64), {"local_strength": -1.0}, ValueError, "local_strength must be in"),
+])
+def test_bad_arguments_are_named(args, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        structured_qkv(*args, **kwargs)
