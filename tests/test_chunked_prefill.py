@@ -76,3 +76,16 @@ def test_merge_keeps_rows_that_saw_nothing_empty():
     merged, lse = cosa.merge_states(torch.zeros_like(o), empty, o, lse_b)
     torch.testing.assert_close(merged, o)
     torch.testing.assert_close(lse, lse_b)
+
+
+def test_merge_rejects_parts_that_do_not_match():
+    o, lse = torch.randn(5, 3, 8), torch.randn(5, 3)
+    cases = [((o, lse[:, :1], o, lse), ValueError, r"lse_a \[n, heads\] = \(5, 3\)"),
+             ((o, lse, o[:1], lse), ValueError, r"o_b must be \[n, heads, d\] = \(5, 3, 8\)"),
+             ((o, lse, o, lse[0]), ValueError, "lse_b must be 2-D"),
+             ((o.long(), lse, o.long(), lse), TypeError, "o_a and lse_a must be floating"),
+             ((o, lse, o.bfloat16(), lse), TypeError, "o_b must have o_a's dtype torch.float32"),
+             ((o.tolist(), lse, o, lse), TypeError, "o_a must be a torch.Tensor")]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            cosa.merge_states(*args)
