@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 
 import pytest
@@ -327,5 +328,13 @@ def test_calibrated_delta_reaches_the_target_density():
         calibrate_delta(plan, batch.q, batch.cache, 1e-6)
     with pytest.raises(ValueError, match=r"target_density must be in \(0, 1\], got 0"):
         calibrate_delta(plan, batch.q, batch.cache, 0)
-    with pytest.raises(ValueError, match="need 0 < low < high, got low=1.0, high=0.5"):
+    with pytest.raises(ValueError, match="need 0 < low < high < inf, got low=1.0, high=0.5"):
         calibrate_delta(plan, batch.q, batch.cache, 0.5, low=1.0, high=0.5)
+    with pytest.raises(ValueError, match="need 0 < low < high < inf, got low=1e-08, high=inf"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, high=math.inf)   # inf is no delta plan takes
+    with pytest.raises(TypeError, match="low must be a float, got bool"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, low=True)
+    with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, steps=-1)
+    with pytest.raises(TypeError, match="steps must be an int, got float"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, steps=2.5)

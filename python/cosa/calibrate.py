@@ -6,6 +6,7 @@ import dataclasses
 import math
 
 from .api import Plan, run
+from .checks import check_float, check_int
 
 
 def calibrate_delta(plan: Plan, q, paged_kv_cache, target_density: float, *, low: float = 1e-8,
@@ -20,10 +21,12 @@ def calibrate_delta(plan: Plan, q, paged_kv_cache, target_density: float, *, low
     even ``high`` skips too little: the first visited block of every tile is
     always computed.
     """
-    if not 0 < target_density <= 1:
+    if not 0 < check_float("target_density", target_density) <= 1:
         raise ValueError(f"target_density must be in (0, 1], got {target_density!r}")
-    if not 0 < low < high:
-        raise ValueError(f"need 0 < low < high, got low={low!r}, high={high!r}")
+    low, high = check_float("low", low), check_float("high", high)   # finite: plan takes them as delta
+    if not 0 < low < high < math.inf:
+        raise ValueError(f"need 0 < low < high < inf, got low={low!r}, high={high!r}")
+    check_int("steps", steps, minimum=0)
 
     def density(delta: float) -> float:
         trial = dataclasses.replace(plan, delta=delta)
