@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from cosa.eval.report import markers, render, write_markdown
 
 
@@ -64,3 +66,17 @@ def test_render_ignores_other_studies_records():
     records = needle_records(rng) + long_context_records(rng)
     assert render("long-context", records, {}) == render("long-context", records[3:], {})
     assert "Pass-key" not in render("long-context", records, {})
+
+
+def test_cli_refuses_an_ordering_budget_outside_budgets(capsys):
+    from cosa.eval.__main__ import main
+    with pytest.raises(SystemExit):
+        main(["--study", "captured", "--budgets", "0.1", "0.5"])
+    assert "--ordering-budget 0.25 must be one of --budgets [0.1, 0.5]" in capsys.readouterr().err
+
+
+def test_cli_creates_the_folders_it_writes_into(tmp_path):
+    from cosa.eval.__main__ import main
+    out, records = tmp_path / "docs" / "accuracy.md", tmp_path / "runs" / "records.json"
+    main(["--study", "long-context", "--long-lengths", "1024", "--out", str(out), "--records", str(records)])
+    assert "long" in out.read_text().lower() and records.exists()

@@ -28,7 +28,9 @@ def main(argv=None) -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.1, 0.25, 0.5])
     parser.add_argument("--deltas", type=float, nargs="+", default=[0.0, 0.01, 0.05, 0.2])
     parser.add_argument("--ordering-deltas", type=float, nargs="+", default=[0.05, 1.0, 10.0, 100.0],
-                        help="visiting-order ablation (at budget 0.25); delta >= kv_len skips above the running max")
+                        help="visiting-order ablation; delta >= kv_len skips above the running max")
+    parser.add_argument("--ordering-budget", type=float, default=0.25,
+                        help="visiting-order ablation: its budget, one of --budgets")
     parser.add_argument("--needle-lengths", type=int, nargs="+", default=[2048, 4096, 6144, 8192])
     parser.add_argument("--needle-depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
     parser.add_argument("--long-lengths", type=int, nargs="+", default=[32768, 65536, 131072])
@@ -40,6 +42,8 @@ def main(argv=None) -> None:
                         help="every record of every study run here (per layer and head)")
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     args = parser.parse_args(argv)
+    if args.ordering_budget not in args.budgets:
+        parser.error(f"--ordering-budget {args.ordering_budget} must be one of --budgets {args.budgets}")
     if args.threads:
         torch.set_num_threads(args.threads)
     studies = STUDIES if "all" in args.study else args.study
@@ -65,14 +69,15 @@ def main(argv=None) -> None:
                              f"(pydoc_data), captured on {device.type}", layers=layers)
         records += run_studies.captured_attention_study(
             [(i, tuple(x.to(device) for x in captured[i])) for i in layers], args.budgets, args.deltas,
-            ordering_deltas=args.ordering_deltas, progress=progress)
+            ordering_deltas=args.ordering_deltas, ordering_budgets=(args.ordering_budget,), progress=progress)
     if "needle" in studies:
         records += run_studies.needle_study(model, tokenizer, args.needle_lengths, args.needle_depths,
                                             options, progress=progress)
     if "long-context" in studies:
         records += run_studies.long_context_study(args.long_lengths, options, progress=progress)
 
-    args.records.parent.mkdir(parents=True, exist_ok=True)
+    for path in (args.records, args.out):
+        path.parent.mkdir(parents=True, exist_ok=True)
     args.records.write_text(json.dumps({"config": config, "records": records}, indent=1))
     write_markdown(args.out, studies, records, config)
     progress(f"wrote {args.records} and {args.out}")
