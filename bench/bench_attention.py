@@ -595,7 +595,7 @@ class Runner:
 # ----------------------------------------------------------------------------- driver
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", help="default 8192 32768 131072 (--quick: 8192 32768)")
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--json", default="bench_attention.json", help="where to write the results")

@@ -142,7 +142,7 @@ def format_results(results: list[Result]) -> str:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("base", help="a version of cute_kernels/osk.py")
     parser.add_argument("--new", help="another version (default: the installed kernel)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])

@@ -402,7 +402,7 @@ def write_json(path: str, runner: Runner, started: float) -> None:
 # ----------------------------------------------------------------------------- driver
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+",
                         help="prompt lengths (default 32768 65536 131072; --quick: 4096, on the CPU 512)")
     parser.add_argument("--attention", nargs="+", choices=("fa4", "sdpa", "cosa"),

@@ -230,8 +230,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     scorer (``cosa.proxy.PROXIES``; CoSA's own is ``"kap"``).
 
     Without ``workspace`` the plan allocates its buffers (order mask, counts, scratch);
-    with one it cuts them from it, so plans made on one workspace share them: the
-    latest ``run`` of any of them is what each one's ``stats()`` reads.
+    with one it cuts them from it, so plans made on one workspace share them: each
+    one's ``stats()`` reads the latest ``run`` of any of them, and raises if a plan was
+    made on the workspace after that run.
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
