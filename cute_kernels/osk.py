@@ -121,6 +121,7 @@ import importlib.util
 import math
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -1413,8 +1414,8 @@ def _fake_tensor(dtype, rank: int, vectorized: bool = False):
     """A fake tensor to compile against: every extent dynamic, the last dim contiguous;
     ``vectorized``: 16-byte aligned rows (TMA, 128-bit copies).  Every extent, head_dim
     included (the kernels tile with their static head_dim): the plain C ABI packs exactly
-    the extents a tensor marks dynamic, and a caller's mark_layout_dynamic (the launchers
-    without TVM-FFI, aot.py) marks them all."""
+    the extents a tensor marks dynamic, and ``_to_cute``'s mark_layout_dynamic (the launchers
+    without TVM-FFI, and for the kernels aot.py loads) marks them all."""
     div = 128 // dtype.width if vectorized else 1
     return cute.runtime.make_fake_tensor(
         dtype, tuple(cute.sym_int() for _ in range(rank)),
@@ -1454,11 +1455,11 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
     return fn
 
 
-# _to_cute's descriptors by (address, device, dtype, shape, strides): a descriptor holds no reference
-# to its tensor, so equal keys give equal descriptors, and a plan's tensors, passed on every
-# call, are described once (about 10 us a tensor, which the plain C ABI's launches pay on the
-# host: some 25 tensors a run)
-_CUTE_VIEWS_MAX = 256
+# _to_cute's descriptors, by tensor object: a plan's tensors, passed on every call, are described
+# once (about 10 us a tensor, which the plain C ABI's launches pay on the host: some 25 tensors
+# a run).  A descriptor holds its tensor's DLPack capsule, and with it the tensor's memory, so an
+# entry lives only as long as its tensor object: id(tensor) -> (tensor geometry, descriptor, weak
+# reference whose callback drops the entry).
 _cute_views: dict = {}
 _views_lock = threading.Lock()
 
@@ -1466,18 +1467,21 @@ _views_lock = threading.Lock()
 def _to_cute(t):
     """A torch tensor as the plain C ABI passes it: every extent dynamic, and every stride but
     the contiguous last dim's, as ``_fake_tensor`` compiled them."""
-    key = (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
+    geometry = (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
     with _views_lock:
-        view = _cute_views.get(key)
-    if view is None:
-        from cutlass.cute.runtime import from_dlpack
+        entry = _cute_views.get(id(t))
+    if entry is not None and entry[2]() is t and entry[0] == geometry:
+        return entry[1]
+    from cutlass.cute.runtime import from_dlpack
 
-        align = 16 if t.dtype.itemsize == 2 else 4
-        view = from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
-        with _views_lock:
-            if len(_cute_views) >= _CUTE_VIEWS_MAX:
-                del _cute_views[next(iter(_cute_views))]  # the oldest
-            _cute_views[key] = view
+    align = 16 if t.dtype.itemsize == 2 else 4
+    view = from_dlpack(t.detach(), assumed_align=align).mark_layout_dynamic(leading_dim=t.dim() - 1)
+    # the call would build the packed descriptor lazily, unguarded: built here, before any
+    # thread shares the view
+    view.__c_pointers__()
+    key = id(t)
+    with _views_lock:
+        _cute_views[key] = (geometry, view, weakref.ref(t, lambda _, key=key: _cute_views.pop(key, None)))
     return view
 
 

@@ -19,6 +19,7 @@ import time
 import weakref
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,21 +125,28 @@ def test_plain_abi_arguments_match_the_compiled_spec(kernel):
             (fake.dynamic_shapes_mask, fake.dynamic_strides_mask), f"argument {position}"
 
 
-def test_plain_abi_descriptors_are_reused_for_equal_tensors_only():
-    # The launchers describe a plan's tensors once (osk._cute_views), not on every run.
+def test_plain_abi_descriptors_live_as_long_as_their_tensor_objects():
+    # The launchers describe a plan's tensors once (osk._cute_views), not on every run; a
+    # descriptor holds its tensor's memory, so the cache must not outlive the tensor object.
     t = torch.zeros(64, 4, 128, dtype=torch.bfloat16)
     view = osk._to_cute(t)
-    assert osk._to_cute(t) is view and osk._to_cute(t[:]) is view  # same address and geometry
-    for other in (t[1:], t[:, :2], torch.zeros_like(t), t.view(torch.float16)):
+    assert osk._to_cute(t) is view
+    for other in (t[:], t[1:], t[:, :2], torch.zeros_like(t), t.view(torch.float16)):
         assert osk._to_cute(other) is not view
-    alive = weakref.ref(t)
-    del t
+    t.resize_(32, 4, 128)   # the same object, another geometry
+    assert osk._to_cute(t) is not view
+    described = len(osk._cute_views)
+    buffer = np.ones((1 << 20, 8), dtype=np.float32)   # the memory behind a tensor, observable
+    memory = weakref.ref(buffer)
+    x = torch.from_numpy(buffer)
+    del buffer
+    osk._to_cute(x)
+    assert len(osk._cute_views) == described + 1
+    alive = weakref.ref(x)
+    del x, t, view
     gc.collect()
-    assert alive() is None  # the cache keeps no tensor alive
-    distinct = [torch.zeros(2, 8, dtype=torch.int32) for _ in range(osk._CUTE_VIEWS_MAX + 8)]
-    views = [osk._to_cute(x) for x in distinct]
-    assert len(osk._cute_views) == osk._CUTE_VIEWS_MAX  # the oldest were dropped
-    assert osk._to_cute(distinct[-1]) is views[-1] and osk._to_cute(distinct[0]) is not views[0]
+    assert alive() is None and memory() is None, "a dropped tensor's memory is released"
+    assert len(osk._cute_views) <= described - 1, "its entry went with it"
 
 
 def _forward_args(**change):
