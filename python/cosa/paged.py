@@ -162,5 +162,6 @@ def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
 
 
 def uniform_page_table(batch: int, q_len: int, kv_len: int, page_size: int, device) -> tuple[torch.Tensor, ...]:
-    """``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` of ``batch`` equal requests laid out by :func:`to_pages`."""
+    """``(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` of ``batch`` equal requests laid
+    out by :func:`to_pages`."""
     return (indptr([q_len] * batch, device), *page_table([kv_len] * batch, page_size, device))
