@@ -73,8 +73,8 @@ import threading
 import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import (CONFIGS, _HAVE_TVM_FFI, _cutlass_dtype, _dtype_name, _fake_tensor, _launch,
-                  _paged_operands, _row_offset)
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _check_shapes, _cutlass_dtype, _dtype_name, _fake_tensor, _launch,
+                  _paged_operands, _plan_operands, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_kernel
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
@@ -435,13 +435,23 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
               order, *, kv_layout: str = "NHD") -> None:
     """Launch the two KAP kernels (see the module docstring for the contract)."""
+    import torch
+
     if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
         return
     D = q.shape[-1]
-    if not supported(D, q.dtype, rank_base.shape[1]):
+    if not supported(D, q.dtype, rank_base.shape[-1]):
         raise ValueError(f"kap_order: no kernel for head_dim={D}, dtype={q.dtype}, "
-                         f"{rank_base.shape[1]} key blocks (at most {MAX_KEY_BLOCKS})")
+                         f"{rank_base.shape[-1]} key blocks (at most {MAX_KEY_BLOCKS})")
     (k,), page_shift = _paged_operands("kap_order", q, {"k_cache": k_cache}, kv_layout, {})
+    expected = _plan_operands("kap_order", q, (k,), block_pages, kv_block_indptr, kv_lens, qtiles, order)
+    nq, Hq, Hkv = qtiles.shape[0], q.shape[1], k.shape[2]
+    _check_shapes("kap_order", {
+        **expected, "rank_base": (rank_base, torch.int64, (nq, None)),
+        "qbar": (qbar, torch.float32, (nq, Hq, D)), "kbar": (kbar, torch.float32, (block_pages.shape[0], Hkv, D))})
+    for name, means in (("qbar", qbar), ("kbar", kbar)):   # compiled for 16-byte rows (_fake_means)
+        if means.stride(-1) != 1 or any(s % 4 for s in means.stride()[:-1]) or means.data_ptr() % 16:
+            raise ValueError(f"kap_order: {name} needs a contiguous, 16-byte aligned last dim")
     pool, rank, source = _kernels(_dtype_name(q.dtype), D)
     _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))
     _launch(rank, source, (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order))

@@ -138,7 +138,8 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from .aot import load_kernel  # noqa: E402
-from .plan_layout import QT_INDEX, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START, QT_ROWS  # noqa: E402
+from .plan_layout import (BLOCK_SIZE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED, QT_REQUEST,  # noqa: E402
+                          QT_ROW_START, QT_ROWS)
 
 __all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
 
@@ -1506,20 +1507,68 @@ def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):
     return tuple(views.values()), page_size.bit_length() - 1
 
 
+def _check_shapes(who: str, expected: dict) -> None:
+    """``expected``: {name: (tensor, dtype, shape)}, None in a shape for any extent.  The kernels
+    index every tensor by the plan's extents, unchecked on the device: a tensor of another dtype
+    or shape would be read or written out of bounds."""
+    for name, (t, dtype, shape) in expected.items():
+        if t.dtype != dtype:
+            raise TypeError(f"{who}: {name} must have dtype {dtype}, got {t.dtype}")
+        if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+            spelled = ", ".join("*" if e is None else str(e) for e in shape)
+            raise ValueError(f"{who}: {name} must have shape [{spelled}], got {list(t.shape)}")
+
+
+def _plan_operands(who: str, q, caches, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
+    """What both launchers check of the plan tensors they share, against q, the cache views
+    (``_paged_operands``') and one another; returns {name: (tensor, dtype, shape)} for
+    ``_check_shapes``."""
+    import torch
+
+    total_q, Hq, D = q.shape
+    Hkv = caches[0].shape[2]
+    for name, cache in zip(("k_cache", "v_cache"), caches):
+        if cache.shape != caches[0].shape or cache.shape[3] != D:
+            raise ValueError(f"{who}: {name} must be [{caches[0].shape[0]}, {caches[0].shape[1]}, {Hkv}, {D}] "
+                             f"(pages, page size, kv heads, q's head_dim), got {list(cache.shape)} in the NHD view")
+    if Hkv < 1 or Hq % Hkv:
+        raise ValueError(f"{who}: the cache's {Hkv} kv heads must divide q's {Hq} heads")
+    pages_per_block = max(1, BLOCK_SIZE // caches[0].shape[1])
+    nq, batch, i32 = qtiles.shape[0], kv_lens.shape[0], torch.int32
+    return {"block_pages": (block_pages, i32, (None, pages_per_block)),
+            "kv_block_indptr": (kv_block_indptr, i32, (batch + 1,)), "kv_lens": (kv_lens, i32, (batch,)),
+            "qtiles": (qtiles, i32, (nq, QT_COLUMNS)), "order": (order, i32, (nq, Hq, None))}
+
+
 def osk_forward(
     q, k_cache, v_cache, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order,
     order, o, lse, computed, skipped, *, sm_scale: float, log_delta: float,
     kv_layout: str = "NHD", causal: bool = True,
 ) -> None:
     """Run the OSK kernel (see the module docstring for the contract)."""
+    import torch
+
     name = _dtype_name(q.dtype)
     D = q.shape[-1]
     if not supported(D, q.dtype):
         raise ValueError(f"osk_forward: no kernel for head_dim={D}, dtype={q.dtype}")
     (kv_k, kv_v), page_shift = _paged_operands("osk_forward", q, {"k_cache": k_cache, "v_cache": v_cache},
                                                kv_layout, {"o": o})
+    expected = _plan_operands("osk_forward", q, (kv_k, kv_v), block_pages, kv_block_indptr, kv_lens, qtiles, order)
+    nq, (total_q, Hq, _) = qtiles.shape[0], q.shape
+    _check_shapes("osk_forward", {
+        **expected, "qo_lens": (qo_lens, torch.int32, tuple(kv_lens.shape)),
+        "tile_order": (tile_order, torch.int32, (nq * Hq, 2)), "o": (o, q.dtype, tuple(q.shape)),
+        "lse": (lse, torch.float32, (total_q, Hq)), "computed": (computed, torch.int32, (nq, Hq)),
+        "skipped": (skipped, torch.int32, (nq, Hq))})
+    from ..checks import check_disjoint  # torch's, imported when a launch needs it
+
+    for name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
+        check_disjoint(f"osk_forward: {name}", output)
+    if not 0 < sm_scale < math.inf:
+        raise ValueError(f"osk_forward: sm_scale must be positive and finite, got {sm_scale!r}")
     num_tiles = tile_order.shape[0]
-    Hq, Hkv = q.shape[1], kv_k.shape[2]
+    Hkv = kv_k.shape[2]
     group = Hq // Hkv
     if num_tiles == 0:
         return

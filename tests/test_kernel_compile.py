@@ -58,7 +58,7 @@ def test_the_build_exports_every_config():
 
 def test_the_kernels_read_the_plan_s_layout():
     names = [name for name in vars(plan_layout) if name.isupper()]
-    assert len(names) == 8
+    assert len(names) == 9
     assert {name: getattr(plan_layout, name) for name in names} == {name: getattr(_C, name) for name in names}
 
 
@@ -173,10 +173,34 @@ def _forward_args(**change):
     ({"q": torch.zeros(128, 128, 4, dtype=torch.bfloat16).transpose(1, 2)}, ValueError, r"q needs a contiguous"),
     ({"v_cache": torch.zeros(8 * 16 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 2, 128)}, ValueError,
      r"v_cache needs a contiguous, 16-byte aligned"),
+    # what the kernel indexes by the plan's extents, unchecked on the device
+    ({"o": torch.zeros(1, 4, 128, dtype=torch.bfloat16)}, ValueError, r"o must have shape \[128, 4, 128\]"),
+    ({"lse": torch.zeros(128, 4, dtype=torch.float16)}, TypeError, r"lse must have dtype torch.float32"),
+    ({"lse": torch.zeros(1, 4)}, ValueError, r"lse must have shape \[128, 4\]"),
+    ({"computed": torch.zeros(1, 4, dtype=torch.int64)}, TypeError, r"computed must have dtype torch.int32"),
+    ({"skipped": torch.zeros(4, dtype=torch.int32)}, ValueError, r"skipped must have shape \[1, 4\]"),
+    ({"block_pages": torch.zeros(1, 8, dtype=torch.int64)}, TypeError, r"block_pages must have dtype torch.int32"),
+    ({"block_pages": torch.zeros(1, 4, dtype=torch.int32)}, ValueError, r"block_pages must have shape \[\*, 8\]"),
+    ({"order": torch.zeros(1, 4, dtype=torch.int32)}, ValueError, r"order must have shape \[1, 4, \*\]"),
+    ({"qtiles": torch.zeros(1, 4, dtype=torch.int32)}, ValueError, r"qtiles must have shape \[1, 8\]"),
+    ({"tile_order": torch.zeros(4, 2)}, TypeError, r"tile_order must have dtype torch.int32"),
+    ({"kv_block_indptr": torch.tensor([0], dtype=torch.int32)}, ValueError, r"kv_block_indptr must have shape \[2\]"),
+    ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError,
+     r"k_cache must be \[8, 16, 2, 128\] \(pages, page size, kv heads, q's head_dim\), got \[8, 16, 2, 64\]"),
+    ({"v_cache": torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)}, ValueError, r"v_cache must be \[8, 16, 2, 128\]"),
+    ({"k_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16),
+      "v_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)}, ValueError, r"8 kv heads must divide q's 4"),
+    ({"o": torch.zeros(1, 4, 128, dtype=torch.bfloat16).expand(128, 4, 128)}, ValueError, r"o's elements overlap"),
 ])
 def test_osk_forward_rejects(change, error, match):
     with pytest.raises(error, match=match):
         osk.osk_forward(**_forward_args(**change), sm_scale=1.0, log_delta=-math.inf)
+
+
+def test_osk_forward_rejects_a_scale_the_kernel_cannot_use():
+    for sm_scale in (0.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match="sm_scale must be positive and finite"):
+            osk.osk_forward(**_forward_args(), sm_scale=sm_scale, log_delta=-math.inf)
 
 
 def test_osk_forward_rejects_an_unknown_kv_layout():
@@ -206,6 +230,13 @@ def _kap_args(**change):
      r"k_cache must have dtype torch.bfloat16"),
     ({"k_cache": torch.zeros(8 * 16 * 2 * 128 + 1, dtype=torch.bfloat16)[1:].view(8, 16, 2, 128)}, ValueError,
      r"k_cache needs a contiguous, 16-byte aligned"),
+    ({"qbar": torch.zeros(1, 4, 128, dtype=torch.bfloat16)}, TypeError, r"qbar must have dtype torch.float32"),
+    ({"qbar": torch.zeros(4 * 128 + 1)[1:].view(1, 4, 128)}, ValueError, r"qbar needs a contiguous, 16-byte aligned"),
+    ({"kbar": torch.zeros(2, 2, 128)}, ValueError, r"kbar must have shape \[1, 2, 128\]"),
+    ({"rank_base": torch.zeros(1, 1, dtype=torch.int32)}, TypeError, r"rank_base must have dtype torch.int64"),
+    ({"rank_base": torch.zeros(1, dtype=torch.int64)}, ValueError, r"rank_base must have shape \[1, \*\]"),
+    ({"order": torch.zeros(1, 4, 1, dtype=torch.int64)}, TypeError, r"order must have dtype torch.int32"),
+    ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError, r"k_cache must be \[8, 16, 2, 128\]"),
 ])
 def test_kap_order_rejects(change, error, match):
     with pytest.raises(error, match=match):

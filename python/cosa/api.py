@@ -19,7 +19,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import check_int
+from .checks import check_disjoint, check_int
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -325,25 +325,13 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device:
             raise ValueError(f"out must be a tensor like q: shape {tuple(q.shape)}, {q.dtype}, on {q.device}")
-        _check_disjoint("out", out)
+        check_disjoint("out", out)
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:2] \
                 or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
-        _check_disjoint("lse", lse)
+        check_disjoint("lse", lse)
     return k, v
-
-
-def _check_disjoint(name: str, x: torch.Tensor) -> None:
-    """An output's elements are written in parallel: no two may share an address (as in an
-    expanded view). Taken by increasing stride, each dim's stride must reach past every
-    element the dims below it span."""
-    span = 1
-    for stride, size in sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1):
-        if stride < span:
-            raise ValueError(f"{name}'s elements overlap (shape {tuple(x.shape)}, strides {x.stride()}): "
-                             "it must not be an expanded or overlapping view")
-        span += stride * (size - 1)
 
 
 def _requests(plan: Plan):

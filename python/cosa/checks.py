@@ -33,3 +33,15 @@ def check_tensor(name: str, x, dim: int | None = None) -> torch.Tensor:
     if dim is not None and x.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(x.shape)}")
     return x
+
+
+def check_disjoint(name: str, x: torch.Tensor) -> None:
+    """An output's elements are written in parallel: no two may share an address (as in an
+    expanded view). Taken by increasing stride, each dim's stride must reach past every
+    element the dims below it span."""
+    span = 1
+    for stride, size in sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1):
+        if stride < span:
+            raise ValueError(f"{name}'s elements overlap (shape {tuple(x.shape)}, strides {x.stride()}): "
+                             "it must not be an expanded or overlapping view")
+        span += stride * (size - 1)
