@@ -1563,8 +1563,8 @@ def osk_forward(
         "skipped": (skipped, torch.int32, (nq, Hq))})
     from ..checks import check_disjoint  # torch's, imported when a launch needs it
 
-    for name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
-        check_disjoint(f"osk_forward: {name}", output)
+    for output_name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
+        check_disjoint(f"osk_forward: {output_name}", output)
     if not 0 < sm_scale < math.inf:
         raise ValueError(f"osk_forward: sm_scale must be positive and finite, got {sm_scale!r}")
     num_tiles = tile_order.shape[0]

@@ -246,3 +246,18 @@ def test_kap_order_rejects(change, error, match):
 def test_kap_order_rejects_an_unknown_kv_layout():
     with pytest.raises(ValueError, match=r"kap_order: kv_layout must be 'NHD' or 'HND', got 'NDH'"):
         kap.kap_order(**_kap_args(), kv_layout="NDH")
+
+
+def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkeypatch):
+    # past every check, the launchers ask for the right kernel and pass every tensor on
+    calls = []
+    source = aot.KernelSource("aot", "a stand-in")
+    monkeypatch.setattr(osk, "load_kernel", lambda *config: calls.append(config) or (object(), source))
+    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
+    osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf)
+    assert calls == [("osk", osk._dtype_name(torch.bfloat16), 128), 14]
+    calls.clear()
+    monkeypatch.setattr(kap, "_kernels", lambda *config: calls.append(config) or (object(), object(), source))
+    monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
+    kap.kap_order(**_kap_args())
+    assert calls == [(osk._dtype_name(torch.bfloat16), 128), 5, 7]
