@@ -74,7 +74,10 @@ def _load(kernel: Kernel, dtype_name: str, head_dim: int,
           library: Path) -> tuple[Callable | None, KernelSource]:
     if not library.is_file():
         return None, KernelSource("jit", f"no libcosa at {library}")
-    has_kernels = ctypes.CDLL(str(library)).cosa_has_kernels
+    try:
+        has_kernels = ctypes.CDLL(str(library)).cosa_has_kernels
+    except (OSError, AttributeError) as error:  # not a shared library, or not libcosa
+        return None, KernelSource("jit", f"cannot load {library}: {error}")
     has_kernels.restype = ctypes.c_bool
     if not has_kernels():
         return None, KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")

@@ -105,6 +105,17 @@ def test_loader_compiles_without_a_libcosa_or_when_disabled(tmp_path, monkeypatc
     assert aot.kernel_source("kap_rank", "bfloat16", 128) == KernelSource("jit", f"{aot.DISABLE_AOT}=1")
 
 
+def test_loader_compiles_when_the_library_is_not_libcosa(tmp_path, monkeypatch):
+    monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
+    broken = tmp_path / "libcosa.so"
+    broken.write_bytes(b"not a shared library")
+    kernel, source = aot.load_kernel("osk", "bfloat16", 128, library=broken)
+    assert kernel is None and source.kind == "jit" and source.detail.startswith(f"cannot load {broken}: ")
+    other = Path(torch._C.__file__)   # a shared library, but not libcosa
+    kernel, source = aot.load_kernel("osk", "bfloat16", 128, library=other)
+    assert kernel is None and "cosa_has_kernels" in source.detail
+
+
 def test_loader_reports_a_libcosa_built_without_kernels(monkeypatch):
     monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
     library = Path(cosa.cmake_prefix_path()) / "lib" / "libcosa.so"
