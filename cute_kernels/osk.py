@@ -147,8 +147,9 @@ HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = ("bfloat16", "float16")
 CONFIGS = [(dt, d) for dt in _DTYPE_NAMES for d in HEAD_DIMS]
 
-TILE_M = 128
-TILE_N = 128
+# a query tile and a key block are the plan's logical blocks: the plan's tiles and block table
+# count in them
+TILE_M = TILE_N = BLOCK_SIZE
 NUM_CONSUMER_THREADS = 256
 NUM_PRODUCER_THREADS = 128
 NUM_THREADS = NUM_CONSUMER_THREADS + NUM_PRODUCER_THREADS
@@ -165,7 +166,7 @@ BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it, by it % VOTE_SLOTS
 BAR_DECIDED = 12  # 12 to 12 + VOTE_SLOTS - 1: group 1 has the decision on block it (stage-2 turns)
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
-BLOCK_SHIFT = 7  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
+BLOCK_SHIFT = TILE_N.bit_length() - 1  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 3  # the turns free V(j-1) only after QK(j+1): one stage more than K
 DECISION_SLOTS = 4  # stage-2 decisions in flight from the consumers to the V producer warp
