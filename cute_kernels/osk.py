@@ -1504,7 +1504,9 @@ def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):
             raise TypeError(f"{who}: {name} must have dtype {q.dtype}, got {t.dtype}")
         step = 16 // t.element_size()
         if t.stride(-1) != 1 or any(s % step for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"{who}: {name} needs a contiguous, 16-byte aligned last dim")
+            raise ValueError(f"{who}: {name} needs a contiguous, 16-byte aligned last dim and its other "
+                             f"strides in 16-byte steps, got strides {t.stride()} at an address "
+                             f"{t.data_ptr() % 16} bytes past 16")
     return tuple(views.values()), page_size.bit_length() - 1
 
 
