@@ -1528,7 +1528,7 @@ def _plan_operands(who: str, q, caches, block_pages, kv_block_indptr, kv_lens, q
     ``_check_shapes``."""
     import torch
 
-    total_q, Hq, D = q.shape
+    _, Hq, D = q.shape
     Hkv = caches[0].shape[2]
     for name, cache in zip(("k_cache", "v_cache"), caches):
         if cache.shape != caches[0].shape or cache.shape[3] != D:
@@ -1551,6 +1551,8 @@ def osk_forward(
     """Run the OSK kernel (see the module docstring for the contract)."""
     import torch
 
+    from ..checks import check_disjoint  # like torch, imported when a launch needs it
+
     name = _dtype_name(q.dtype)
     D = q.shape[-1]
     if not supported(D, q.dtype):
@@ -1564,8 +1566,6 @@ def osk_forward(
         "tile_order": (tile_order, torch.int32, (nq * Hq, 2)), "o": (o, q.dtype, tuple(q.shape)),
         "lse": (lse, torch.float32, (total_q, Hq)), "computed": (computed, torch.int32, (nq, Hq)),
         "skipped": (skipped, torch.int32, (nq, Hq))})
-    from ..checks import check_disjoint  # torch's, imported when a launch needs it
-
     for output_name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
         check_disjoint(f"osk_forward: {output_name}", output)
     if not 0 < sm_scale < math.inf:
