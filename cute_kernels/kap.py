@@ -73,8 +73,8 @@ import threading
 import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import (CONFIGS, _HAVE_TVM_FFI, _check_shapes, _cutlass_dtype, _dtype_name, _fake_tensor, _launch,
-                  _paged_operands, _plan_operands, _row_offset)
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _check_shapes, _check_vector_rows, _cutlass_dtype, _dtype_name,
+                  _fake_tensor, _launch, _paged_operands, _plan_operands, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_kernel
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
@@ -449,9 +449,8 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
     _check_shapes("kap_order", {
         **expected, "rank_base": (rank_base, torch.int64, (nq, None)),
         "qbar": (qbar, torch.float32, (nq, Hq, D)), "kbar": (kbar, torch.float32, (block_pages.shape[0], Hkv, D))})
-    for name, means in (("qbar", qbar), ("kbar", kbar)):   # compiled for 16-byte rows (_fake_means)
-        if means.stride(-1) != 1 or any(s % 4 for s in means.stride()[:-1]) or means.data_ptr() % 16:
-            raise ValueError(f"kap_order: {name} needs a contiguous, 16-byte aligned last dim")
+    _check_vector_rows("kap_order", "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
+    _check_vector_rows("kap_order", "kbar", kbar)
     pool, rank, source = _kernels(_dtype_name(q.dtype), D)
     _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))
     _launch(rank, source, (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order))

@@ -1502,12 +1502,18 @@ def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):
     for name, t in {"q": q, **views, **outputs}.items():
         if t.dtype != q.dtype:
             raise TypeError(f"{who}: {name} must have dtype {q.dtype}, got {t.dtype}")
-        step = 16 // t.element_size()
-        if t.stride(-1) != 1 or any(s % step for s in t.stride()[:-1]) or t.data_ptr() % 16:
-            raise ValueError(f"{who}: {name} needs a contiguous, 16-byte aligned last dim and its other "
-                             f"strides in 16-byte steps, got strides {t.stride()} at an address "
-                             f"{t.data_ptr() % 16} bytes past 16")
+        _check_vector_rows(who, name, t)
     return tuple(views.values()), page_size.bit_length() - 1
+
+
+def _check_vector_rows(who: str, name: str, t) -> None:
+    """A contiguous last dim, 16-byte aligned, and other strides in 16-byte steps: what the
+    kernels' TMA boxes and 128-bit loads and stores were compiled for (``_fake_tensor``)."""
+    step = 16 // t.element_size()
+    if t.stride(-1) != 1 or any(s % step for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        raise ValueError(f"{who}: {name} needs a contiguous, 16-byte aligned last dim and its other "
+                         f"strides in 16-byte steps, got strides {t.stride()} at an address "
+                         f"{t.data_ptr() % 16} bytes past 16")
 
 
 def _check_shapes(who: str, expected: dict) -> None:
