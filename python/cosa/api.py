@@ -19,7 +19,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import check_disjoint, check_int
+from .checks import check_disjoint, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -149,8 +149,7 @@ class Plan:
 
 
 def _check_index_tensor(name: str, x, device: torch.device | None = None) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor(name, x)
     if x.dtype != torch.int32:
         raise TypeError(f"{name} must be int32, got {x.dtype}")
     if x.dim() != 1:
