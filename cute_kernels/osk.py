@@ -1462,16 +1462,14 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
 # a run).  A descriptor holds its tensor's DLPack capsule, and with it the tensor's memory, so an
 # entry lives only as long as its tensor object: id(tensor) -> (tensor geometry, descriptor, weak
 # reference whose callback drops the entry).
-_cute_views: dict = {}
-_views_lock = threading.Lock()
+_cute_views: dict = {}   # one get or set at a time: atomic, no lock needed
 
 
 def _to_cute(t):
     """A torch tensor as the plain C ABI passes it: every extent dynamic, and every stride but
     the contiguous last dim's, as ``_fake_tensor`` compiled them."""
     geometry = (t.data_ptr(), t.device, t.dtype, t.shape, t.stride())
-    with _views_lock:
-        entry = _cute_views.get(id(t))
+    entry = _cute_views.get(id(t))
     if entry is not None and entry[2]() is t and entry[0] == geometry:
         return entry[1]
     from cutlass.cute.runtime import from_dlpack
@@ -1482,8 +1480,7 @@ def _to_cute(t):
     # thread shares the view
     view.__c_pointers__()
     key = id(t)
-    with _views_lock:
-        _cute_views[key] = (geometry, view, weakref.ref(t, lambda _, key=key: _cute_views.pop(key, None)))
+    _cute_views[key] = (geometry, view, weakref.ref(t, lambda _, key=key: _cute_views.pop(key, None)))
     return view
 
 
