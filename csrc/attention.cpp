@@ -77,18 +77,14 @@ using cosa::require;
 
 [[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
 
-// The largest sm_scale whose sm_scale * log2(e) is a finite float32.
-constexpr double kMaxSmScale = std::numeric_limits<float>::max() / 1.4426950408889634;
-
 void check_plan_args(const cosa_plan_args& a) {
     if (a.remap.head_dim != 64 && a.remap.head_dim != 128)
         invalid("head_dim must be 64 or 128, got " + std::to_string(a.remap.head_dim));
     if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
         invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
                 std::to_string(static_cast<int>(a.dtype)));
-    // The kernels scale logits by sm_scale * log2(e) in float32.
-    if (!(a.sm_scale > 0 && a.sm_scale <= kMaxSmScale))
-        invalid("sm_scale must be in (0, " + cosa::repr(kMaxSmScale) + "] (float32 logits), got " +
+    if (!(a.sm_scale > 0 && a.sm_scale <= COSA_MAX_SM_SCALE))
+        invalid("sm_scale must be in (0, " + cosa::repr(COSA_MAX_SM_SCALE) + "] (float32 logits), got " +
                 cosa::repr(a.sm_scale));
     if (!(std::isfinite(a.delta) && a.delta >= 0))
         invalid("delta must be finite and >= 0, got " + cosa::repr(a.delta));

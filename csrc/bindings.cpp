@@ -176,6 +176,7 @@ PYBIND11_MODULE(_C, m) {
     m.doc() = "cosa's remap layer: page-table checks, block table, tile schedule (docs/design.md).";
 
     m.attr("BLOCK_SIZE") = int{COSA_BLOCK_SIZE};
+    m.attr("MAX_SM_SCALE") = double{COSA_MAX_SM_SCALE};
     m.attr("PAGE_SIZES") = py::tuple(py::cast(cosa::kPageSizes));
     m.attr("QT_REQUEST") = int{COSA_QT_REQUEST};
     m.attr("QT_INDEX") = int{COSA_QT_INDEX};

@@ -34,8 +34,8 @@ log_delta, kv_layout="NHD", causal=True) -> None``
       (natural log of the softmax denominator of the scaled logits; ``-inf`` and
       o = 0 for a row that computed no visible key), ``computed`` and
       ``skipped`` [num_qtiles, Hq] int32 (blocks computed / skipped by stage 2).
-    - ``sm_scale``: logit scale; ``log_delta``: ln(delta), ``-inf`` for delta=0
-      (stage 2 off).  The kernel's threshold is ``log_delta - ln(kv_len)``.
+    - ``sm_scale``: logit scale, at most ``MAX_SM_SCALE``; ``log_delta``: ln(delta), ``-inf``
+      for delta=0 (stage 2 off).  The kernel's threshold is ``log_delta - ln(kv_len)``.
 
 Kernel
 ------
@@ -138,8 +138,8 @@ from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
 from .aot import load_kernel  # noqa: E402
-from .plan_layout import (BLOCK_SIZE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED, QT_REQUEST,  # noqa: E402
-                          QT_ROW_START, QT_ROWS)
+from .plan_layout import (BLOCK_SIZE, MAX_SM_SCALE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED,  # noqa: E402
+                          QT_REQUEST, QT_ROW_START, QT_ROWS)
 
 __all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
 
@@ -1571,8 +1571,12 @@ def osk_forward(
         "skipped": (skipped, torch.int32, (nq, Hq))})
     for output_name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
         check_disjoint(f"osk_forward: {output_name}", output)
-    if not 0 < sm_scale < math.inf:
-        raise ValueError(f"osk_forward: sm_scale must be positive and finite, got {sm_scale!r}")
+    if not 0 < sm_scale <= MAX_SM_SCALE:
+        raise ValueError(f"osk_forward: sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), "
+                         f"got {sm_scale!r}")
+    if not -math.inf <= log_delta < math.inf:
+        raise ValueError(f"osk_forward: log_delta must be ln(delta) for a finite delta >= 0 (-inf for 0), "
+                         f"got {log_delta!r}")
     num_tiles = tile_order.shape[0]
     Hkv = kv_k.shape[2]
     group = Hq // Hkv

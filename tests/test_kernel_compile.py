@@ -58,7 +58,7 @@ def test_the_build_exports_every_config():
 
 def test_the_kernels_read_the_plan_s_layout():
     names = [name for name in vars(plan_layout) if name.isupper()]
-    assert len(names) == 9
+    assert len(names) == 10
     assert {name: getattr(plan_layout, name) for name in names} == {name: getattr(_C, name) for name in names}
 
 
@@ -198,9 +198,13 @@ def test_osk_forward_rejects(change, error, match):
 
 
 def test_osk_forward_rejects_a_scale_the_kernel_cannot_use():
-    for sm_scale in (0.0, math.nan, math.inf):
-        with pytest.raises(ValueError, match="sm_scale must be positive and finite"):
+    # beyond MAX_SM_SCALE, sm_scale * log2(e) is an infinite float32 and every logit inf or nan
+    for sm_scale in (0.0, -1.0, math.nan, math.inf, math.nextafter(plan_layout.MAX_SM_SCALE, math.inf)):
+        with pytest.raises(ValueError, match=r"sm_scale must be in \(0, 2.359e\+38\] \(float32 logits\)"):
             osk.osk_forward(**_forward_args(), sm_scale=sm_scale, log_delta=-math.inf)
+    for log_delta in (math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"log_delta must be ln\(delta\) for a finite delta >= 0"):
+            osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=log_delta)
 
 
 def test_osk_forward_rejects_an_unknown_kv_layout():
@@ -254,7 +258,11 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     source = aot.KernelSource("aot", "a stand-in")
     monkeypatch.setattr(osk, "load_kernel", lambda *config: calls.append(config) or (object(), source))
     monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
-    osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf)
+    # the extremes of sm_scale and log_delta pass: the kernel handles them
+    osk.osk_forward(**_forward_args(), sm_scale=plan_layout.MAX_SM_SCALE, log_delta=-math.inf)
+    assert calls == [("osk", osk._dtype_name(torch.bfloat16), 128), 14]
+    calls.clear()
+    osk.osk_forward(**_forward_args(), sm_scale=1e-30, log_delta=math.log(1e30))
     assert calls == [("osk", osk._dtype_name(torch.bfloat16), 128), 14]
     calls.clear()
     monkeypatch.setattr(kap, "_kernels", lambda *config: calls.append(config) or (object(), object(), source))

@@ -28,8 +28,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
-# The largest sm_scale whose sm_scale * log2(e), which the kernels scale logits by, is a finite float32
-MAX_SM_SCALE = torch.finfo(torch.float32).max / math.log2(math.e)
 
 
 @dataclass(frozen=True)
@@ -209,8 +207,8 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
         return 1.0 / math.sqrt(head_dim)
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
         raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not 0 < sm_scale <= MAX_SM_SCALE:
-        raise ValueError(f"sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
+    if not 0 < sm_scale <= _C.MAX_SM_SCALE:
+        raise ValueError(f"sm_scale must be in (0, {_C.MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
     return sm_scale
 
 

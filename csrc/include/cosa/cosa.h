@@ -22,6 +22,7 @@
 #ifndef COSA_COSA_H
 #define COSA_COSA_H
 
+#include <float.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -48,6 +49,10 @@ extern "C" {
 
 /* Tokens per logical block, for queries (a query tile) and keys alike. */
 enum { COSA_BLOCK_SIZE = 128 };
+
+/* The largest sm_scale: the kernels scale logits by sm_scale * log2(e) in float32, which must be
+   finite. */
+#define COSA_MAX_SM_SCALE ((double)FLT_MAX / 1.4426950408889634)
 
 /* Columns of the qtiles table (one row per request's 128-row query tile). */
 enum cosa_qtile_column {
@@ -195,7 +200,7 @@ typedef struct cosa_plan_args {
     cosa_remap_args remap; /* page table, heads and selection, as for cosa_remap_plan_create;
                               remap.head_dim 64 or 128 */
     cosa_dtype dtype;      /* of q, the cache and o */
-    double sm_scale;       /* logit scale in (0, FLT_MAX / log2(e)], float32 logits
+    double sm_scale;       /* logit scale in (0, COSA_MAX_SM_SCALE]
                               (usually 1/sqrt(head_dim)) */
     double delta;          /* stage-2 skip threshold, >= 0; 0 computes every selected block */
 } cosa_plan_args;
