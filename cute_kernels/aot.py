@@ -64,6 +64,17 @@ def load_kernel(kernel: Kernel, dtype_name: str, head_dim: int,
     return _load(kernel, dtype_name, head_dim, LIBCOSA if library is None else library)
 
 
+def load_or_compile(kernels: tuple[Kernel, ...], dtype_name: str, head_dim: int,
+                    compile: Callable[[], tuple]) -> tuple[tuple, KernelSource]:
+    """The configuration's ``kernels`` as libcosa exports them, if it carries them all, or else
+    ``compile()``'s (the same kernels, compiled); and where they come from."""
+    loaded = [load_kernel(kernel, dtype_name, head_dim) for kernel in kernels]
+    for kernel, source in loaded:
+        if kernel is None:
+            return compile(), source
+    return tuple(kernel for kernel, _ in loaded), loaded[0][1]
+
+
 def kernel_source(kernel: Kernel, dtype_name: str, head_dim: int) -> KernelSource:
     """Whether the launcher loads ``kernel`` of the configuration from libcosa or compiles it."""
     return load_kernel(kernel, dtype_name, head_dim)[1]

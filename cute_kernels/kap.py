@@ -76,7 +76,7 @@ import cuda.bindings.driver as cuda
 from .osk import (CONFIGS, _HAVE_TVM_FFI, _check_shapes, _check_vector_rows, _cutlass_dtype, _dtype_name,
                   _fake_tensor, _launch, _paged_operands, _plan_operands, _row_offset)
 from .osk import supported as _osk_supported
-from .aot import load_kernel
+from .aot import load_or_compile
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
                           QT_ROWS, RANK_BLOCK_BITS)
 
@@ -451,17 +451,8 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
         "qbar": (qbar, torch.float32, (nq, Hq, D)), "kbar": (kbar, torch.float32, (block_pages.shape[0], Hkv, D))})
     _check_vector_rows("kap_order", "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
     _check_vector_rows("kap_order", "kbar", kbar)
-    pool, rank, source = _kernels(_dtype_name(q.dtype), D)
+    name = _dtype_name(q.dtype)
+    (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
     _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))
     _launch(rank, source, (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order))
 
-
-def _kernels(dtype_name: str, head_dim: int):
-    """``(pool, rank, source)``: both kernels exported ahead of time into libcosa, if it
-    carries them, or else both compiled."""
-    loaded = [load_kernel(kernel, dtype_name, head_dim) for kernel in ("kap_pool", "kap_rank")]
-    for kernel, source in loaded:
-        if kernel is None:
-            return (*compile_config(dtype_name, head_dim), source)
-    (pool, source), (rank, _) = loaded
-    return pool, rank, source

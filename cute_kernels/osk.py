@@ -137,7 +137,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
-from .aot import load_kernel  # noqa: E402
+from .aot import load_or_compile  # noqa: E402
 from .plan_layout import (BLOCK_SIZE, MAX_SM_SCALE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED,  # noqa: E402
                           QT_REQUEST, QT_ROW_START, QT_ROWS)
 
@@ -1585,9 +1585,7 @@ def osk_forward(
     if order.shape[-1] == 0 or block_pages.shape[0] == 0:
         raise ValueError(f"osk_forward: {num_tiles} tiles but order has k_max={order.shape[-1]} and "
                          f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
-    fn, source = load_kernel("osk", name, D)  # exported ahead of time into libcosa, if it carries them
-    if fn is None:
-        fn = compile_config(name, D)
+    (fn,), source = load_or_compile(("osk",), name, D, lambda: (compile_config(name, D),))
     scalars = (float(sm_scale), float(log_delta), page_shift, int(group), 1 if causal else 0, int(num_tiles))
     _launch(fn, source, (q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
                          tile_order, order, computed, skipped), scalars)

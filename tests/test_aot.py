@@ -126,6 +126,19 @@ def test_loader_reports_a_libcosa_built_without_kernels(monkeypatch):
     assert source == KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")
 
 
+def test_launchers_take_all_their_kernels_from_libcosa_or_compile_all(monkeypatch):
+    # KAP's two kernels are one pair: one missing from libcosa compiles both, never a mix
+    exported = {"kap_pool": "pool from libcosa", "kap_rank": "rank from libcosa"}
+    aot_source, jit_source = KernelSource("aot", "libcosa"), KernelSource("jit", "not exported")
+    monkeypatch.setattr(aot, "load_kernel", lambda kernel, *config: (
+        (exported[kernel], aot_source) if kernel in exported else (None, jit_source)))
+    compiled = ("pool compiled", "rank compiled")
+    assert aot.load_or_compile(("kap_pool", "kap_rank"), "float16", 64, lambda: compiled) == \
+        (("pool from libcosa", "rank from libcosa"), aot_source)
+    del exported["kap_rank"]
+    assert aot.load_or_compile(("kap_pool", "kap_rank"), "float16", 64, lambda: compiled) == (compiled, jit_source)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
 def test_bench_first_call_without_a_gpu_says_so_and_exits_0(capsys):
     assert bench_first_call.main([]) == 0

@@ -256,16 +256,15 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     # past every check, the launchers ask for the right kernel and pass every tensor on
     calls = []
     source = aot.KernelSource("aot", "a stand-in")
-    monkeypatch.setattr(osk, "load_kernel", lambda *config: calls.append(config) or (object(), source))
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: calls.append(config) or (object(), source))
     monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
     # the extremes of sm_scale and log_delta pass: the kernel handles them
     osk.osk_forward(**_forward_args(), sm_scale=plan_layout.MAX_SM_SCALE, log_delta=-math.inf)
-    assert calls == [("osk", osk._dtype_name(torch.bfloat16), 128), 14]
+    assert calls == [("osk", "bfloat16", 128), 14]
     calls.clear()
     osk.osk_forward(**_forward_args(), sm_scale=1e-30, log_delta=math.log(1e30))
-    assert calls == [("osk", osk._dtype_name(torch.bfloat16), 128), 14]
+    assert calls == [("osk", "bfloat16", 128), 14]
     calls.clear()
-    monkeypatch.setattr(kap, "_kernels", lambda *config: calls.append(config) or (object(), object(), source))
     monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
     kap.kap_order(**_kap_args())
-    assert calls == [(osk._dtype_name(torch.bfloat16), 128), 5, 7]
+    assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 7]
