@@ -135,6 +135,23 @@ def test_other_families_prefill_through_cosa(family):
         assert layer.self_attn.cosa_plan.stats().density_stage2 == 1.0, "the layer ran through CoSA"
 
 
+@pytest.mark.parametrize("module_causal,call_causal", [(False, None), (True, False), (False, False)])
+@torch.no_grad()
+def test_attention_that_is_not_causal_stays_so(module_causal, call_causal):
+    """An encoder's module (is_causal False) or a call's is_causal=False, no mask: every query
+    sees every key, as SDPA computes it."""
+    module = torch.nn.Module()
+    module.is_causal = module_causal
+    q, k, v = torch.randn(2, 4, 200, 64).double(), torch.randn(2, 2, 230, 64).double(), torch.randn(2, 2, 230, 64).double()
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)).transpose(1, 2)
+    cosa_hf.register(budget=1.0, delta=0.0)
+    kwargs = {} if call_causal is None else {"is_causal": call_causal}
+    o, _ = cosa_hf.cosa_attention_forward(module, q, k, v, None, scaling=64 ** -0.5, **kwargs)
+    assert module.cosa_plan.causal is False, "the step ran through CoSA"
+    torch.testing.assert_close(o, expected, rtol=1e-9, atol=1e-9)
+
+
 @torch.no_grad()
 def test_a_head_dim_cosa_lacks_runs_dense_sdpa():
     torch.manual_seed(torch.seed() % 2**31)

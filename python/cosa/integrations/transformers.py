@@ -4,9 +4,9 @@
     cosa_hf.register(budget=0.25, delta=0.05)          # once; options apply to every layer
     model.set_attn_implementation("cosa")               # or from_pretrained(..., attn_implementation="cosa")
 
-Prefill steps (more than one query row, no padding, plain causal masking, a
-head_dim CoSA has) run :func:`cosa.run` on a paged copy of the layer's K/V: on the
-GPU the OSK kernel, on the CPU the exact reference. Everything else (decode steps,
+Prefill steps (more than one query row, no padding, plain causal masking or, for a
+module that is not causal, none, a head_dim CoSA has) run :func:`cosa.run` on a paged
+copy of the layer's K/V: on the GPU the OSK kernel, on the CPU the exact reference. Everything else (decode steps,
 padded batches, sliding windows, other mask overlays, other head sizes) runs dense
 SDPA. Attention sinks (``s_aux``, as gpt-oss passes them), which neither CoSA nor
 SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
@@ -67,15 +67,19 @@ def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
                                   "its own attention implementation")
     batch, num_qo_heads, q_len, head_dim = query.shape
     num_kv_heads, kv_len = key.shape[1], key.shape[2]
+    # as SDPA reads it: the call's is_causal, else the module's (False for encoders)
+    causal = kwargs.get("is_causal")
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     if (q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None
             or head_dim not in SUPPORTED_HEAD_DIMS):
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    cache_key = (batch, q_len, kv_len, query.dtype, key.dtype, query.device, tuple(sorted(_options.items())))
+    cache_key = (batch, q_len, kv_len, causal, query.dtype, key.dtype, query.device,
+                 tuple(sorted(_options.items())))
     plan_ = getattr(module, "cosa_plan", None)
     if getattr(module, "_cosa_plan_key", None) != cache_key:
         plan_ = plan(*uniform_page_table(batch, q_len, kv_len, BLOCK, query.device), num_qo_heads,
-                     num_kv_heads, head_dim, BLOCK, causal=True, sm_scale=scaling,
+                     num_kv_heads, head_dim, BLOCK, causal=causal, sm_scale=scaling,
                      q_data_type=query.dtype, kv_data_type=key.dtype, **_options)
         module.cosa_plan, module._cosa_plan_key = plan_, cache_key
     q = query.transpose(1, 2).reshape(batch * q_len, num_qo_heads, head_dim)
