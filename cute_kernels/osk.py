@@ -1523,6 +1523,8 @@ def _check_shapes(who: str, expected: dict) -> None:
         if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
             spelled = ", ".join("*" if e is None else str(e) for e in shape)
             raise ValueError(f"{who}: {name} must have shape [{spelled}], got {list(t.shape)}")
+        if t.stride(-1) != 1:  # compiled for a contiguous last dim (_fake_tensor)
+            raise ValueError(f"{who}: {name} must have a contiguous last dim, got strides {t.stride()}")
 
 
 def _plan_operands(who: str, q, caches, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
@@ -1554,7 +1556,7 @@ def osk_forward(
     """Run the OSK kernel (see the module docstring for the contract)."""
     import torch
 
-    from ..checks import check_disjoint  # like torch, imported when a launch needs it
+    from ..checks import check_apart, check_disjoint  # like torch, imported when a launch needs it
 
     name = _dtype_name(q.dtype)
     D = q.shape[-1]
@@ -1569,8 +1571,12 @@ def osk_forward(
         "tile_order": (tile_order, torch.int32, (nq * Hq, 2)), "o": (o, q.dtype, tuple(q.shape)),
         "lse": (lse, torch.float32, (total_q, Hq)), "computed": (computed, torch.int32, (nq, Hq)),
         "skipped": (skipped, torch.int32, (nq, Hq))})
-    for output_name, output in (("o", o), ("lse", lse), ("computed", computed), ("skipped", skipped)):
+    outputs = {"o": o, "lse": lse, "computed": computed, "skipped": skipped}
+    for output_name, output in outputs.items():
         check_disjoint(f"osk_forward: {output_name}", output)
+    check_apart(outputs, {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_pages": block_pages,
+                          "kv_block_indptr": kv_block_indptr, "qo_lens": qo_lens, "kv_lens": kv_lens,
+                          "qtiles": qtiles, "tile_order": tile_order, "order": order}, who="osk_forward")
     if not 0 < sm_scale <= MAX_SM_SCALE:
         raise ValueError(f"osk_forward: sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), "
                          f"got {sm_scale!r}")

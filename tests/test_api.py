@@ -6,6 +6,7 @@ import dataclasses
 import math
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -242,11 +243,12 @@ def test_scalar_checks(batch):
         cosa.plan(*args, budget=1.5)
     with expect(ValueError, "delta"):
         cosa.plan(*args, delta=-0.1)
+    assert cosa.plan(*args, delta=np.float32(0.5), sm_scale=np.float64(0.25)).delta == 0.5  # numpy scalars are floats
     with expect(ValueError, "sm_scale"):
         cosa.plan(*args, sm_scale=0.0)
     with expect(ValueError, r"sm_scale must be in \(0, 2.359e\+38\] \(float32 logits\), got 1e\+39"):
         cosa.plan(*args, sm_scale=1e39)
-    with expect(TypeError, "sm_scale must be a float or None, got str"):
+    with expect(TypeError, "sm_scale must be a float, got str"):
         cosa.plan(*args, sm_scale="0.1")
     for flag in ("causal", "force_local", "force_sink"):
         with expect(TypeError, f"{flag} must be a bool, got str"):
@@ -302,6 +304,29 @@ def test_run_argument_checks(batch):
         cosa.run(plan, batch.q, batch.cache, out=batch.q.new_empty(batch.q.numel()).as_strided(batch.q.shape, (D, D, 1)))
     with expect(ValueError, "lse's elements overlap"):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(1, HQ).expand(batch.q.shape[0], HQ))
+    # outputs that share memory with an input or each other (the kernels read while they write)
+    rows = batch.q.shape[0]
+    q_and_more = torch.cat([batch.q, batch.q])
+    with expect(ValueError, "out shares memory with q: an output must not overlap another output or an input"):
+        cosa.run(plan, q_and_more[:rows], batch.cache, out=q_and_more[rows // 2:rows // 2 + rows])
+    with expect(ValueError, "out shares memory with q"):
+        cosa.run(plan, batch.q, batch.cache, out=batch.q)
+    cache_and_more = torch.cat([batch.cache.flatten(), torch.empty(rows * HQ * D, dtype=batch.cache.dtype)])
+    cache, out_start = cache_and_more[:batch.cache.numel()].view(batch.cache.shape), batch.cache.numel() - 1
+    with expect(ValueError, "out shares memory with paged_kv_cache's V"):  # the last page's V ends the cache
+        cosa.run(plan, batch.q, cache, out=cache_and_more[out_start:out_start + rows * HQ * D].view(batch.q.shape))
+    raw = torch.empty(rows * HQ * (2 * D + 4), dtype=torch.uint8)
+    out_bytes = rows * HQ * D * 2
+    with expect(ValueError, "out shares memory with lse"):
+        cosa.run(plan, batch.q, batch.cache, out=raw[:out_bytes].view(batch.q.dtype).view(batch.q.shape),
+                 lse=raw[out_bytes - 64:out_bytes - 64 + rows * HQ * 4].view(torch.float32).view(rows, HQ))
+    with expect(ValueError, "lse shares memory with plan.lse"):
+        cosa.run(plan, batch.q, batch.cache, lse=plan.lse)
+    # delta and sm_scale may be replaced on a plan; run checks them as plan does
+    with expect(ValueError, "plan.delta must be a finite float >= 0, got nan"):
+        cosa.run(dataclasses.replace(plan, delta=math.nan), batch.q, batch.cache)
+    with expect(ValueError, r"plan.sm_scale must be in \(0, 2.359e\+38\]"):
+        cosa.run(dataclasses.replace(plan, sm_scale=-1.0), batch.q, batch.cache)
     wide = torch.full((batch.q.shape[0], HQ + 1, D), float("nan"), dtype=batch.q.dtype)  # disjoint, not contiguous
     cosa.run(plan, batch.q, batch.cache, out=wide[:, 1:])
     assert not wide[:, 1:].isnan().any() and wide[:, 0].isnan().all()

@@ -164,6 +164,11 @@ def _forward_args(**change):
     return args
 
 
+_SHARED_Q = torch.zeros(128, 4, 128, dtype=torch.bfloat16)
+_SHARED_COUNTS = torch.zeros(1, 4, dtype=torch.int32)
+_SHARED_WORDS = torch.zeros(128 * 4 + 4)
+
+
 @pytest.mark.parametrize("change,error,match", [
     ({"order": torch.zeros(1, 4, 0, dtype=torch.int32)}, ValueError, r"k_max=0 .* a plan with tiles"),
     ({"block_pages": torch.zeros(0, 8, dtype=torch.int32)}, ValueError, r"block_pages 0 key blocks"),
@@ -191,6 +196,13 @@ def _forward_args(**change):
     ({"k_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16),
       "v_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)}, ValueError, r"8 kv heads must divide q's 4"),
     ({"o": torch.zeros(1, 4, 128, dtype=torch.bfloat16).expand(128, 4, 128)}, ValueError, r"o's elements overlap"),
+    ({"lse": torch.zeros(4, 128).t()}, ValueError, r"osk_forward: lse must have a contiguous last dim"),
+    ({"computed": torch.zeros(4, 2, dtype=torch.int32)[:, :1].t()}, ValueError, r"computed must have a contiguous last dim"),
+    # outputs written while the inputs are read
+    ({"q": _SHARED_Q, "o": _SHARED_Q}, ValueError, r"osk_forward: o shares memory with q: an output must not overlap"),
+    ({"computed": _SHARED_COUNTS, "skipped": _SHARED_COUNTS}, ValueError, r"computed shares memory with skipped"),
+    ({"lse": _SHARED_WORDS[4:].view(128, 4), "order": _SHARED_WORDS[2:6].view(torch.int32).view(1, 4, 1)},
+     ValueError, r"osk_forward: lse shares memory with order"),
 ])
 def test_osk_forward_rejects(change, error, match):
     with pytest.raises(error, match=match):
@@ -210,6 +222,9 @@ def test_osk_forward_rejects_a_scale_the_kernel_cannot_use():
 def test_osk_forward_rejects_an_unknown_kv_layout():
     with pytest.raises(ValueError, match=r"kv_layout must be 'NHD' or 'HND', got 'NDH'"):
         osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf, kv_layout="NDH")
+
+
+_SHARED_TABLE = torch.zeros(8, dtype=torch.int32)
 
 
 def _kap_args(**change):
@@ -241,6 +256,9 @@ def _kap_args(**change):
     ({"rank_base": torch.zeros(1, dtype=torch.int64)}, ValueError, r"rank_base must have shape \[1, \*\]"),
     ({"order": torch.zeros(1, 4, 1, dtype=torch.int64)}, TypeError, r"order must have dtype torch.int32"),
     ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError, r"k_cache must be \[8, 16, 2, 128\]"),
+    ({"order": torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, 4, 1)}, ValueError, r"kap_order: order's elements overlap"),
+    ({"qtiles": _SHARED_TABLE.view(1, 8), "order": _SHARED_TABLE[4:].view(1, 4, 1)}, ValueError,
+     r"kap_order: order shares memory with qtiles"),
 ])
 def test_kap_order_rejects(change, error, match):
     with pytest.raises(error, match=match):

@@ -9,7 +9,9 @@ for the order mask); otherwise it executes the torch proxy and the exact referen
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,7 +21,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import check_disjoint, check_int, check_tensor
+from .checks import check_apart, check_disjoint, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -196,20 +198,29 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
     for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
         raise TypeError(f"budget must be a float, got {type(budget).__name__}")
-    if isinstance(delta, bool) or not isinstance(delta, (int, float)) or not 0 <= delta < math.inf:
-        raise ValueError(f"delta must be a finite float >= 0, got {delta!r}")
+    _check_delta("delta", delta)
     for name, flag in (("causal", causal), ("force_local", force_local), ("force_sink", force_sink)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float)):
-        raise TypeError(f"sm_scale must be a float or None, got {type(sm_scale).__name__}")
-    if not 0 < sm_scale <= _C.MAX_SM_SCALE:
-        raise ValueError(f"sm_scale must be in (0, {_C.MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
+    _check_sm_scale("sm_scale", sm_scale)
     return sm_scale
+
+
+# delta and sm_scale are checked by plan and, since a Plan's may be replaced, by each run
+def _check_delta(name: str, delta) -> None:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < math.inf:
+        raise ValueError(f"{name} must be a finite float >= 0, got {delta!r}")
+
+
+def _check_sm_scale(name: str, sm_scale) -> None:
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(sm_scale).__name__}")
+    if not 0 < sm_scale <= _C.MAX_SM_SCALE:
+        raise ValueError(f"{name} must be in (0, {_C.MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
 
 
 def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
@@ -296,6 +307,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
 def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
     if not isinstance(plan_, Plan):
         raise TypeError(f"plan must be a cosa.Plan (from cosa.plan), got {type(plan_).__name__}")
+    _check_delta("plan.delta", plan_.delta)
+    _check_sm_scale("plan.sm_scale", plan_.sm_scale)
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype != plan_.q_data_type:
@@ -328,6 +341,11 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
                 or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
         check_disjoint("lse", lse)
+    outputs = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
+    if outputs:
+        check_apart(outputs, {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v, **{
+            f"plan.{field.name}": getattr(plan_, field.name) for field in dataclasses.fields(plan_)
+            if isinstance(getattr(plan_, field.name), torch.Tensor)}})
     return k, v
 
 

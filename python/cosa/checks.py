@@ -45,3 +45,27 @@ def check_disjoint(name: str, x: torch.Tensor) -> None:
             raise ValueError(f"{name}'s elements overlap (shape {tuple(x.shape)}, strides {x.stride()}): "
                              "it must not be an expanded or overlapping view")
         span += stride * (size - 1)
+
+
+def _byte_span(x: torch.Tensor) -> tuple[int, int]:
+    """[first, last) byte address ``x``'s elements lie in (empty for no elements)."""
+    if x.numel() == 0:
+        return 0, 0
+    start = x.data_ptr()
+    return start, start + x.element_size() * (1 + sum((size - 1) * stride for size, stride
+                                                      in zip(x.shape, x.stride())))
+
+
+def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], who: str = "") -> None:
+    """No output's memory may meet another output's or an input's: the kernels read the
+    inputs while they write the outputs.  Judged by the address ranges the tensors span, so
+    views that interleave without sharing elements are refused too.  ``who`` prefixes the
+    error (a launcher's name)."""
+    named = list(outputs.items())
+    for i, (name, x) in enumerate(named):
+        start, end = _byte_span(x)
+        for other, y in named[i + 1:] + list(inputs.items()):
+            other_start, other_end = _byte_span(y)
+            if x.device == y.device and start < other_end and other_start < end:
+                raise ValueError(f"{who}{': ' if who else ''}{name} shares memory with {other}: an output must not overlap "
+                                 "another output or an input")
