@@ -166,7 +166,7 @@ def _forward_args(**change):
 
 _SHARED_Q = torch.zeros(128, 4, 128, dtype=torch.bfloat16)
 _SHARED_COUNTS = torch.zeros(1, 4, dtype=torch.int32)
-_SHARED_WORDS = torch.zeros(128 * 4 + 4)
+_SHARED_WORDS = torch.zeros(128 * 4 * 64)  # o's bytes, in which lse starts
 
 
 @pytest.mark.parametrize("change,error,match", [
@@ -201,8 +201,8 @@ _SHARED_WORDS = torch.zeros(128 * 4 + 4)
     # outputs written while the inputs are read
     ({"q": _SHARED_Q, "o": _SHARED_Q}, ValueError, r"osk_forward: o shares memory with q: an output must not overlap"),
     ({"computed": _SHARED_COUNTS, "skipped": _SHARED_COUNTS}, ValueError, r"computed shares memory with skipped"),
-    ({"lse": _SHARED_WORDS[4:].view(128, 4), "order": _SHARED_WORDS[2:6].view(torch.int32).view(1, 4, 1)},
-     ValueError, r"osk_forward: lse shares memory with order"),
+    ({"lse": _SHARED_WORDS[4:4 + 128 * 4].view(128, 4), "o": _SHARED_WORDS.view(torch.bfloat16).view(128, 4, 128)},
+     ValueError, r"osk_forward: o shares memory with lse"),
 ])
 def test_osk_forward_rejects(change, error, match):
     with pytest.raises(error, match=match):
@@ -224,7 +224,7 @@ def test_osk_forward_rejects_an_unknown_kv_layout():
         osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf, kv_layout="NDH")
 
 
-_SHARED_TABLE = torch.zeros(8, dtype=torch.int32)
+_SHARED_MEANS = torch.zeros(4 * 128)
 
 
 def _kap_args(**change):
@@ -257,8 +257,8 @@ def _kap_args(**change):
     ({"order": torch.zeros(1, 4, 1, dtype=torch.int64)}, TypeError, r"order must have dtype torch.int32"),
     ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError, r"k_cache must be \[8, 16, 2, 128\]"),
     ({"order": torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, 4, 1)}, ValueError, r"kap_order: order's elements overlap"),
-    ({"qtiles": _SHARED_TABLE.view(1, 8), "order": _SHARED_TABLE[4:].view(1, 4, 1)}, ValueError,
-     r"kap_order: order shares memory with qtiles"),
+    ({"qbar": _SHARED_MEANS.view(1, 4, 128), "kbar": _SHARED_MEANS[256:].view(1, 2, 128)}, ValueError,
+     r"kap_order: qbar shares memory with kbar"),
 ])
 def test_kap_order_rejects(change, error, match):
     with pytest.raises(error, match=match):

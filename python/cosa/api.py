@@ -10,6 +10,7 @@ for the order mask); otherwise it executes the torch proxy and the exact referen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import warnings
@@ -21,7 +22,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import check_apart, check_disjoint, check_int, check_tensor
+from .checks import byte_span, check_apart, check_disjoint, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -117,6 +118,13 @@ class Plan:
     kernel: Callable | None
     # the fused KAP launcher, or None where run ranks with the torch proxies
     rank_kernel: Callable | None
+
+    @functools.cached_property
+    def tensor_spans(self) -> tuple:
+        """The byte spans of the plan's tensors (``checks.byte_span``), which run's outputs
+        must not meet; kept, as the tensors never change."""
+        return tuple(byte_span(f"plan.{field.name}", getattr(self, field.name)) for field in dataclasses.fields(self)
+                     if isinstance(getattr(self, field.name), torch.Tensor))
 
     @property
     def uses_kernel(self) -> bool:
@@ -343,9 +351,8 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
         check_disjoint("lse", lse)
     outputs = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     if outputs:
-        check_apart(outputs, {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v, **{
-            f"plan.{field.name}": getattr(plan_, field.name) for field in dataclasses.fields(plan_)
-            if isinstance(getattr(plan_, field.name), torch.Tensor)}})
+        check_apart(outputs, {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v},
+                    input_spans=plan_.tensor_spans)
     return k, v
 
 

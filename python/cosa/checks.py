@@ -47,25 +47,28 @@ def check_disjoint(name: str, x: torch.Tensor) -> None:
         span += stride * (size - 1)
 
 
-def _byte_span(x: torch.Tensor) -> tuple[int, int]:
-    """[first, last) byte address ``x``'s elements lie in (empty for no elements)."""
-    if x.numel() == 0:
-        return 0, 0
+def byte_span(name: str, x: torch.Tensor) -> tuple[str, torch.device, int, int]:
+    """``(name, device, first, end)``: the byte addresses ``x``'s elements lie in (none for no
+    elements), as ``check_apart`` compares them."""
+    numel = x.numel()
+    if numel == 0:
+        return name, x.device, 0, 0
+    # a contiguous tensor's elements are its numel; the sum is for views (a run's host cost)
+    elements = numel if x.is_contiguous() else 1 + sum((size - 1) * stride for size, stride in zip(x.shape, x.stride()))
     start = x.data_ptr()
-    return start, start + x.element_size() * (1 + sum((size - 1) * stride for size, stride
-                                                      in zip(x.shape, x.stride())))
+    return name, x.device, start, start + x.element_size() * elements
 
 
-def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], who: str = "") -> None:
+def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], who: str = "",
+                input_spans: tuple = ()) -> None:
     """No output's memory may meet another output's or an input's: the kernels read the
     inputs while they write the outputs.  Judged by the address ranges the tensors span, so
-    views that interleave without sharing elements are refused too.  ``who`` prefixes the
-    error (a launcher's name)."""
-    named = list(outputs.items())
-    for i, (name, x) in enumerate(named):
-        start, end = _byte_span(x)
-        for other, y in named[i + 1:] + list(inputs.items()):
-            other_start, other_end = _byte_span(y)
-            if x.device == y.device and start < other_end and other_start < end:
+    views that interleave without sharing elements are refused too.  ``input_spans``: more
+    inputs, as ``byte_span`` gives them (kept by an owner whose tensors never change);
+    ``who`` prefixes the error (a launcher's name)."""
+    spans = [byte_span(name, x) for name, x in (*outputs.items(), *inputs.items())] + list(input_spans)
+    for i, (name, device, start, end) in enumerate(spans[:len(outputs)]):
+        for other, other_device, other_start, other_end in spans[i + 1:]:
+            if start < other_end and other_start < end and device == other_device:
                 raise ValueError(f"{who}{': ' if who else ''}{name} shares memory with {other}: an output must not overlap "
                                  "another output or an input")
