@@ -154,4 +154,7 @@ def test_low_precision_inputs_track_float64(dtype):
     _, o, _ = run_batch(batch, hq, hkv, d, page_size, budget=1.0, delta=0.0)
     q, k, v = batch.requests[0]
     want, _ = oracle.dense(q, k, v, 300, 700, True, 1 / math.sqrt(d))
-    assert ((o.double() - want).norm() / want.norm()).item() < 1e-2
+    # computed in float32: the error is the output's rounding to dtype, plus float32's own
+    rounding = (want.to(dtype).double() - want).norm() / want.norm()
+    error = (o.double() - want).norm() / want.norm()
+    assert error < 1.05 * rounding + 2e-6, f"relative error {error:.3g}, rounding to {dtype} alone {rounding:.3g}"
