@@ -178,6 +178,7 @@ def gpu_with_wheel_kernels(site, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("budget,delta", [(1.0, 0.0), (0.3, 0.05)])
 def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, budget, delta):
     # Both stages in both: KAP's order mask, then OSK, from the same libcosa on the same
@@ -197,6 +198,7 @@ def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, b
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 @pytest.mark.parametrize("dtype,head_dim,device", [
     (torch.bfloat16, 128, "cuda:0"), (torch.float16, 64, "cuda:0"),
     # the plain C ABI launches on the current device: run must make it the tensors'
@@ -310,6 +312,7 @@ def test_plan_create_rejects_bad_arguments_naming_them(changes, message):
 
 
 @pytest.mark.gpu
+@pytest.mark.hopper
 def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
     # One request of 4097 key blocks: more than KAP ranks, so the caller must pass the order.
     # Every case fails before a launch, but the operands are real, in case one did not.

@@ -14,7 +14,7 @@ import cosa
 from batch import make_batch
 from cosa.synthetic import structured_qkv
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 HQ, HKV, D = 8, 2, 128
 Q_LENS, KV_LENS = [1200, 200], [2000, 600]   # ragged, chunked, partial tiles, blocks and pages

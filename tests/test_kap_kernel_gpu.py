@@ -29,7 +29,7 @@ from cosa.proxy import block_means, proxy_order
 from cosa.proxy.order import grouped_products, is_forced
 from batch import make_batch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 POISON = -7
 MEAN_TOL = 1e-5

@@ -28,7 +28,7 @@ from cosa import reference
 from cosa.cute_kernels import osk
 from batch import make_batch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 LSE_SENTINEL = 12345.0
 COUNT_SENTINEL = -7
