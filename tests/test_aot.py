@@ -264,6 +264,11 @@ class _CApi:
         self.lib.cosa_plan_create.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(ctypes.c_void_p)]
         self.lib.cosa_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_RunArgs), ctypes.c_void_p]
         self.lib.cosa_plan_destroy.argtypes = [ctypes.c_void_p]
+        self.lib.cosa_has_kernels.restype = ctypes.c_bool
+        self.lib.cosa_remap_plan_create.argtypes = [ctypes.POINTER(_RemapArgs), ctypes.POINTER(ctypes.c_void_p)]
+        self.lib.cosa_remap_plan_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cosa_remap_resolve_order.argtypes = [ctypes.c_void_p, _i32p, _i64, _i32p, _i64]
+        self.lib.cosa_remap_plan_destroy.argtypes = [ctypes.c_void_p]
 
     def plan_args(self, tokens: int, **changes) -> _PlanArgs:
         pages = -(-tokens // 128)
@@ -298,6 +303,10 @@ BAD_PLAN_ARGS = {
     "sm_scale beyond float32": ({"sm_scale": 1e39}, "sm_scale must be in (0, 2.358"),
     "delta": ({"delta": -1e-9}, "delta must be finite and >= 0, got -1e-09"),
     "page table": ({"kv_last_page_len_size": 2}, "kv_last_page_len must have B = 1 entries"),
+    "num_pages": ({"num_pages": 2**31}, "num_pages must fit in int32, got 2147483648"),
+    # what a C caller alone can pass: the sizes of the arrays it points to
+    "negative size": ({"kv_indices_size": -1}, "kv_indices has a negative size: -1"),
+    "null array": ({"kv_indices": None}, "kv_indices is null but has size 8"),
 }
 
 
@@ -309,6 +318,59 @@ def test_plan_create_rejects_bad_arguments_naming_them(changes, message):
     status, plan = c_api.create(c_api.plan_args(1000, **changes))
     assert (status, plan.value) == (_INVALID_ARGUMENT, None)
     assert c_api.error().startswith(message)
+
+
+class _RemapPlanSizes(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int32) for name in ("batch_size", "num_qo_heads", "num_kv_blocks", "pages_per_block",
+                                                    "num_qtiles", "num_tiles", "k_max")]
+
+
+def test_c_api_refuses_null_pointers_and_wrong_sizes():
+    # the installed package's libcosa, built with the kernels or not, with or without a GPU
+    c_api = _CApi(Path(cosa.__file__).parent / "lib" / "libcosa.so")
+    lib, plan = c_api.lib, ctypes.c_void_p()
+    args = c_api.plan_args(1000)
+    for call, message in (
+            (lambda: lib.cosa_plan_create(None, ctypes.byref(plan)), "args must not be NULL"),
+            (lambda: lib.cosa_plan_create(ctypes.byref(args), None), "out must not be NULL"),
+            (lambda: lib.cosa_run(None, ctypes.byref(_RunArgs()), None), "plan must not be NULL"),
+            (lambda: lib.cosa_remap_plan_create(None, ctypes.byref(plan)), "args must not be NULL"),
+            (lambda: lib.cosa_remap_plan_create(ctypes.byref(args.remap), None), "out must not be NULL"),
+            (lambda: lib.cosa_remap_plan_info(None, ctypes.byref(_RemapPlanSizes())), "plan must not be NULL"),
+            (lambda: lib.cosa_remap_resolve_order(None, None, 0, None, 0), "plan must not be NULL")):
+        assert call() == _INVALID_ARGUMENT
+        assert c_api.error().startswith(message), c_api.error()
+    assert lib.cosa_remap_plan_create(ctypes.byref(args.remap), ctypes.byref(plan)) == 0, c_api.error()
+    try:
+        sizes = _RemapPlanSizes()
+        assert lib.cosa_remap_plan_info(plan, None) == _INVALID_ARGUMENT
+        assert c_api.error().startswith("out must not be NULL")
+        assert lib.cosa_remap_plan_info(plan, ctypes.byref(sizes)) == 0
+        entries = sizes.num_qtiles * sizes.num_qo_heads * sizes.k_max
+        order = np.full(entries + 1, -1, dtype=np.int32)
+        out_pages = np.empty(entries * sizes.pages_per_block + 1, dtype=np.int32)
+        resolve = lambda order_size, out_size: lib.cosa_remap_resolve_order(  # noqa: E731
+            plan, order.ctypes.data_as(_i32p), order_size, out_pages.ctypes.data_as(_i32p), out_size)
+        assert resolve(entries + 1, entries * sizes.pages_per_block) == _INVALID_ARGUMENT
+        assert c_api.error().startswith(f"order must have num_qtiles*num_qo_heads*k_max = {sizes.num_qtiles}*"
+                                        f"{sizes.num_qo_heads}*{sizes.k_max} = {entries} entries, got {entries + 1}")
+        assert resolve(entries, entries * sizes.pages_per_block + 1) == _INVALID_ARGUMENT
+        assert c_api.error().startswith(f"out_pages must have order's {entries} entries * pages_per_block "
+                                        f"{sizes.pages_per_block}")
+        assert resolve(-1, 0) == _INVALID_ARGUMENT
+        assert c_api.error().startswith("order has a negative size: -1")
+    finally:
+        lib.cosa_remap_plan_destroy(plan)
+
+
+def test_plan_create_without_the_kernels_says_so():
+    library = Path(cosa.__file__).parent / "lib" / "libcosa.so"
+    c_api = _CApi(library)
+    if c_api.lib.cosa_has_kernels():
+        pytest.skip("the installed cosa was built with the kernels")
+    status, plan = c_api.create(c_api.plan_args(1000))
+    assert (status, plan.value) == (3, None)   # COSA_ERROR_UNSUPPORTED
+    assert c_api.error() == "libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)"
 
 
 @pytest.mark.gpu

@@ -459,6 +459,25 @@ def test_inconsistent_plan_is_rejected(column, value, message):
         _C.resolve_order(plan, order)
 
 
+@pytest.mark.parametrize("changes, error, message", [
+    ({"num_qo_heads": 0}, ValueError, r"^plan: num_qo_heads=0 and pages_per_block=8 must be >= 1 and k_max=2 >= 0"),
+    ({"k_max": 2**31}, TypeError, r"^plan.k_max must be an int32 integer"),
+    ({"k_max": "2"}, TypeError, r"^plan.k_max must be an int32 integer"),
+    ({"kv_block_indptr": np.zeros(0, np.int32)}, ValueError, r"^plan: kv_block_indptr is empty"),
+    ({"qtiles": np.zeros((3, 7), np.int32)}, ValueError, r"^plan: qtiles must have 8 columns and block_pages 1..8, "
+                                                         r"got shapes \(3, 7\) and \(\d+, 8\)"),
+    ({"block_pages": np.zeros((3, 9), np.int32)}, ValueError, r"^plan: qtiles must have 8 columns and block_pages 1..8"),
+    ({"qtiles": [[0] * 8, [0] * 7]}, TypeError, r"^plan.qtiles must be an integer array, got list"),
+], ids=["heads", "k_max range", "k_max type", "indptr", "qtiles columns", "block_pages columns", "ragged"])
+def test_plan_fields_of_the_wrong_kind_are_rejected(changes, error, message):
+    plan, order = plan_and_order()
+    plan.update(changes)
+    if changes.get("num_qo_heads") == 0:
+        order = order[:, :0]   # a shape that agrees with the bad head count, so the plan check decides
+    with pytest.raises(error, match=message):
+        _C.resolve_order(plan, order)
+
+
 def test_resolve_order_accepts_an_object_with_the_plan_fields():
     plan, order = plan_and_order()
 
