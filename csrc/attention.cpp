@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <string>
@@ -171,11 +172,18 @@ T descriptor(const Tensor& t) {
 }
 
 // One launcher per exported kernel: its module is loaded on first use, its tensors described.
-#define COSA_MODULE(P)                                  \
-    static P##_Kernel_Module_t module = [] {            \
-        P##_Kernel_Module_t m;                          \
-        P##_Kernel_Module_Load(&m);                     \
-        return m;                                       \
+// A load that fails part way (on one of the devices) frees the library it made; the next call
+// tries again.
+#define COSA_MODULE(P)                                            \
+    static P##_Kernel_Module_t module = [] {                      \
+        P##_Kernel_Module_t m{};                                  \
+        try {                                                     \
+            P##_Kernel_Module_Load(&m);                           \
+        } catch (...) {                                           \
+            if (m.module != nullptr) cudaLibraryUnload(m.module); \
+            throw;                                                \
+        }                                                         \
+        return m;                                                 \
     }()
 #define COSA_TENSOR(P, NAME, FIELD) auto FIELD = descriptor<P##_Tensor_##NAME##_t>(a.FIELD)
 
@@ -301,25 +309,39 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
             ranks ? cosa::build_rank_base(host, args->remap.force_local, args->remap.force_sink)
                   : std::vector<int64_t>{};
         const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(rank_base.size());
+        // Head counts are bounded only by int32: with no query rows, KAP's key means can ask for
+        // more words than int64 counts, and the offsets would wrap inside the allocation.
+        constexpr int64_t kMaxWords = std::numeric_limits<int64_t>::max() / sizeof(int32_t) / 2;
         int64_t at = 0;
-        auto carve = [&](int64_t& offset, int64_t words) {
+        auto carve = [&](int64_t& offset, std::initializer_list<int64_t> extents) {
+            int64_t words = 1;
+            for (const int64_t extent : extents) {
+                if (extent != 0 && words > kMaxWords / extent) words = kMaxWords;
+                else words *= extent;
+            }
+            words = (words + 63) / 64 * 64;  // 256 bytes: aligned for 16-byte vectors and int64
+            if (words > kMaxWords - at)
+                invalid("num_qo_heads=" + std::to_string(host.num_qo_heads) + " and num_kv_heads=" +
+                        std::to_string(plan->num_kv_heads) + " over " + std::to_string(host.num_kv_blocks()) +
+                        " key blocks give the plan more than " + std::to_string(kMaxWords) + " words");
             offset = at;
-            at += (words + 63) / 64 * 64;  // 256 bytes: aligned for 16-byte vectors and int64
+            at += words;
         };
-        carve(plan->qo_lens, static_cast<int64_t>(host.qo_lens.size()));
-        carve(plan->kv_lens, static_cast<int64_t>(host.kv_lens.size()));
-        carve(plan->kv_block_indptr, static_cast<int64_t>(host.kv_block_indptr.size()));
-        carve(plan->block_pages, static_cast<int64_t>(host.block_pages.size()));
-        carve(plan->qtiles, static_cast<int64_t>(host.qtiles.size()));
-        carve(plan->tile_order, static_cast<int64_t>(host.tile_order.size()));
-        carve(plan->lse, plan->total_q * host.num_qo_heads);  // float, 4 bytes like int32
-        carve(plan->computed, host.num_tiles());
-        carve(plan->skipped, host.num_tiles());
+        const auto size = [](const auto& table) { return static_cast<int64_t>(table.size()); };
+        carve(plan->qo_lens, {size(host.qo_lens)});
+        carve(plan->kv_lens, {size(host.kv_lens)});
+        carve(plan->kv_block_indptr, {size(host.kv_block_indptr)});
+        carve(plan->block_pages, {size(host.block_pages)});
+        carve(plan->qtiles, {size(host.qtiles)});
+        carve(plan->tile_order, {size(host.tile_order)});
+        carve(plan->lse, {plan->total_q, host.num_qo_heads});  // float, 4 bytes like int32
+        carve(plan->computed, {host.num_tiles()});
+        carve(plan->skipped, {host.num_tiles()});
         if (ranks) {
-            carve(plan->rank_base, 2 * num_rank_keys);  // int64
-            carve(plan->qbar, num_qtiles * host.num_qo_heads * plan->head_dim);
-            carve(plan->kbar, host.num_kv_blocks() * plan->num_kv_heads * plan->head_dim);
-            carve(plan->order, host.order_size());
+            carve(plan->rank_base, {2, num_rank_keys});  // int64
+            carve(plan->qbar, {num_qtiles, host.num_qo_heads, plan->head_dim});
+            carve(plan->kbar, {host.num_kv_blocks(), plan->num_kv_heads, plan->head_dim});
+            carve(plan->order, {host.order_size()});
         }
         cosa::check_cuda(cudaGetDevice(&plan->device), "cudaGetDevice");
         cosa::check_cuda(cudaMalloc(reinterpret_cast<void**>(&plan->words),

@@ -363,6 +363,22 @@ def test_c_api_refuses_null_pointers_and_wrong_sizes():
         lib.cosa_remap_plan_destroy(plan)
 
 
+def test_plan_create_refuses_device_arrays_beyond_int64_words(c_api):
+    # No query rows, so heads up to int32's limit pass the remap's checks; KAP's key means
+    # (key blocks x kv heads x head_dim) then overflow: 8193 requests of 2048 256-token pages
+    batch, pages = 8193, 2048
+    table = [np.zeros(batch + 1, np.int32), (np.arange(batch + 1) * pages).astype(np.int32),
+             np.zeros(batch * pages, np.int32), np.full(batch, 256, np.int32)]
+    pointers = [a.ctypes.data_as(_i32p) for a in table]
+    heads = 2**31 - 1
+    remap = _RemapArgs(pointers[0], batch + 1, pointers[1], batch + 1, pointers[2], batch * pages, pointers[3], batch,
+                       1, 256, heads, heads, 128, True, 0.25, True, True)
+    status, plan = c_api.create(_PlanArgs(remap, 0, 128 ** -0.5, 0.0))
+    assert (status, plan.value) == (_INVALID_ARGUMENT, None)  # before any CUDA call, GPU or not
+    assert c_api.error() == (f"num_qo_heads={heads} and num_kv_heads={heads} over {batch * pages * 2} key blocks "
+                             f"give the plan more than {2**63 // 8 - 1} words")
+
+
 def test_plan_create_without_the_kernels_says_so():
     library = Path(cosa.__file__).parent / "lib" / "libcosa.so"
     c_api = _CApi(library)

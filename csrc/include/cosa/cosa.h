@@ -202,7 +202,7 @@ typedef struct cosa_plan_args {
     cosa_dtype dtype;      /* of q, the cache and o */
     double sm_scale;       /* logit scale in (0, COSA_MAX_SM_SCALE]
                               (usually 1/sqrt(head_dim)) */
-    double delta;          /* stage-2 skip threshold, >= 0; 0 computes every selected block */
+    double delta;          /* stage-2 skip threshold, finite and >= 0; 0 computes every selected block */
 } cosa_plan_args;
 
 typedef struct cosa_plan cosa_plan;
