@@ -167,6 +167,10 @@ def test_workspace_checks(batch):
     with expect(ValueError, "workspace"):
         cosa.CoSAPrefillWrapper(torch.empty(10, dtype=torch.float32))
     wrapper = cosa.CoSAPrefillWrapper(torch.empty(16, dtype=torch.uint8))
+    with expect(RuntimeError, "CoSAPrefillWrapper.run called before plan"):
+        wrapper.run(batch.q, batch.cache)
+    with expect(RuntimeError, "CoSAPrefillWrapper.stats called before plan"):
+        wrapper.stats()
     with expect(ValueError, "workspace"):
         wrapper.plan(*plan_args(batch))
     with expect(ValueError, "kv_layout"):

@@ -482,13 +482,13 @@ class CoSAPrefillWrapper:
                           num_kv_heads, head_dim, page_size, kv_layout=self._kv_layout,
                           workspace=self._workspace, **options)
 
-    def _planned(self) -> Plan:
+    def _planned(self, method: str) -> Plan:
         if self._plan is None:
-            raise RuntimeError("CoSAPrefillWrapper.run called before plan")
+            raise RuntimeError(f"CoSAPrefillWrapper.{method} called before plan")
         return self._plan
 
     def run(self, q, paged_kv_cache, **options):
-        return run(self._planned(), q, paged_kv_cache, **options)
+        return run(self._planned("run"), q, paged_kv_cache, **options)
 
     def stats(self) -> Stats:
-        return self._planned().stats()
+        return self._planned("stats").stats()
