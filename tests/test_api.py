@@ -123,9 +123,9 @@ def expect(error, match):
 
 def test_run_before_plan_raises(batch):
     wrapper = cosa.CoSAPrefillWrapper(torch.empty(1024, dtype=torch.uint8))
-    with expect(RuntimeError, "before plan"):
+    with expect(RuntimeError, "CoSAPrefillWrapper.run called before plan"):
         wrapper.run(batch.q, batch.cache)
-    with expect(RuntimeError, "before plan"):
+    with expect(RuntimeError, "CoSAPrefillWrapper.stats called before plan"):
         wrapper.stats()
 
 
@@ -138,8 +138,33 @@ def test_stats_before_a_run_raise_instead_of_reading_the_workspace(batch):
     wrapper.run(batch.q, batch.cache)
     assert (wrapper.stats().computed >= 1).all()
     other = cosa.plan(*plan_args(batch), budget=0.5, workspace=workspace)   # the same bytes again
-    with expect(RuntimeError, "no run has written the counts"):
+    with expect(RuntimeError, "no run has written the counts since this plan was made"):
         other.stats()
+
+
+def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
+    # plans of other shapes on one workspace: each runs correctly, but the buffers hold the
+    # numbers of the last one made or run, which the others must not read as theirs
+    workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    first = cosa.plan(*plan_args(batch), budget=0.5, workspace=workspace)
+    second = cosa.plan(*plan_args(batch), budget=1.0, causal=False, workspace=workspace)
+    superseded = "another plan on the same workspace was made or run since this plan's latest run"
+    dense = cosa.run(second, batch.q, batch.cache)
+    with expect(RuntimeError, superseded):
+        first.stats()
+    assert second.stats().density_stage2 == 1.0
+    sparse = cosa.run(first, batch.q, batch.cache)
+    assert (first.stats().computed >= 1).all()
+    with expect(RuntimeError, superseded):
+        second.stats()
+    cosa.order_mask(second, batch.q, batch.cache)  # writes the shared order mask too
+    with expect(RuntimeError, superseded):
+        first.stats()
+    private = cosa.plan(*plan_args(batch), budget=0.5)  # no workspace: its own buffers
+    torch.testing.assert_close(cosa.run(private, batch.q, batch.cache), sparse, rtol=0, atol=0)
+    cosa.run(first, batch.q, batch.cache)
+    assert first.stats().computed.tolist() == private.stats().computed.tolist()
+    assert not torch.equal(dense, sparse)
 
 
 def test_the_plan_keeps_the_page_table_it_was_given(batch):
@@ -167,10 +192,6 @@ def test_workspace_checks(batch):
     with expect(ValueError, "workspace"):
         cosa.CoSAPrefillWrapper(torch.empty(10, dtype=torch.float32))
     wrapper = cosa.CoSAPrefillWrapper(torch.empty(16, dtype=torch.uint8))
-    with expect(RuntimeError, "CoSAPrefillWrapper.run called before plan"):
-        wrapper.run(batch.q, batch.cache)
-    with expect(RuntimeError, "CoSAPrefillWrapper.stats called before plan"):
-        wrapper.stats()
     with expect(ValueError, "workspace"):
         wrapper.plan(*plan_args(batch))
     with expect(ValueError, "kv_layout"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 import numbers
 import warnings
@@ -31,6 +32,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
+# Plans cut from one workspace share its buffers. Per workspace (device, storage address): the
+# token of the plan that last wrote them, by being made or run, so that stats() refuses to
+# read another plan's numbers.
+_workspace_writers: dict[tuple[str, int], int] = {}
+_plan_tokens = itertools.count(1)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ class Plan:
     kernel: Callable | None
     # the fused KAP launcher, or None where run ranks with the torch proxies
     rank_kernel: Callable | None
+    # with a workspace: its key in _workspace_writers, and this plan's token there
+    workspace_key: tuple[str, int] | None = None
+    token: int = 0
 
     @functools.cached_property
     def tensor_spans(self) -> tuple:
@@ -148,10 +157,12 @@ class Plan:
         unwritten with -1)."""
         def copy(x: torch.Tensor) -> torch.Tensor:
             return x.to("cpu", copy=True)
+        if self.workspace_key is not None and _workspace_writers.get(self.workspace_key) != self.token:
+            raise RuntimeError("plan.stats(): another plan on the same workspace was made or run since "
+                               "this plan's latest run, and its numbers replaced this plan's")
         computed, skipped = copy(self.computed), copy(self.skipped)
         if (computed < 0).any() or (skipped < 0).any():
-            raise RuntimeError("plan.stats(): no run has written the counts since this plan, or since "
-                               "a later plan on the same workspace")
+            raise RuntimeError("plan.stats(): no run has written the counts since this plan was made")
         return Stats(candidates=copy(self.qtiles[:, _C.QT_NUM_CANDIDATES]),
                      selected=copy(self.qtiles[:, _C.QT_NUM_SELECTED]), computed=computed, skipped=skipped)
 
@@ -246,9 +257,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     scorer (``cosa.proxy.PROXIES``; CoSA's own is ``"kap"``).
 
     Without ``workspace`` the plan allocates its buffers (order mask, counts, scratch);
-    with one it cuts them from it, so plans made on one workspace share them: each
-    one's ``stats()`` reads the latest ``run`` of any of them, and raises if a plan was
-    made on the workspace after that run.
+    with one it cuts them from it, so plans made on one workspace share them: any of
+    them runs correctly, but only the plan made or run last on the workspace has
+    ``stats()``; the others' raise (a CUDA graph's replays count as the run it captured).
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
@@ -287,11 +298,12 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
     computed.fill_(-1)   # unwritten until a run: stats() refuses them
     skipped.fill_(-1)
+    workspace_key = None if workspace is None else (str(device), workspace.untyped_storage().data_ptr())
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
-    return Plan(
+    new_plan = Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         page_size=page_size, kv_layout=kv_layout, causal=causal, budget=float(budget),
         delta=float(delta), sm_scale=float(sm_scale), force_local=force_local,
@@ -309,7 +321,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
         tile_order=to_device(tables["tile_order"]), rank_base=to_device(tables["rank_base"]),
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
-        kernel=kernel, rank_kernel=rank_kernel)
+        kernel=kernel, rank_kernel=rank_kernel, workspace_key=workspace_key, token=next(_plan_tokens))
+    _write_workspace(new_plan)
+    return new_plan
 
 
 def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
@@ -367,6 +381,12 @@ def _requests(plan: Plan):
                plan.kv_lens_host[request])
 
 
+def _write_workspace(plan: Plan) -> None:
+    """Records ``plan`` as the last to write its workspace's buffers (``Plan.stats``)."""
+    if plan.workspace_key is not None:
+        _workspace_writers[plan.workspace_key] = plan.token
+
+
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if plan.rank_kernel is not None:
         plan.rank_kernel(q, k_cache, plan.block_pages, plan.kv_block_indptr, plan.kv_lens, plan.qtiles,
@@ -383,6 +403,7 @@ def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
     ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
     visiting order, -1 padded."""
     k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
+    _write_workspace(plan)
     _rank(plan, q, k_cache)
     return plan.order
 
@@ -397,6 +418,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     call are read with ``plan.stats()``.
     """
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
+    _write_workspace(plan)
     if out is None:
         out = torch.empty_like(q)
     if lse is None:
