@@ -416,6 +416,10 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     is float32, the natural log of each row's softmax denominator over the
     computed keys (``-inf`` for a row that computed none). Statistics of the
     call are read with ``plan.stats()``.
+
+    ``out`` and ``lse`` are written instead of new tensors: with both given (or
+    ``return_lse=False``) run allocates nothing, its scratch being the plan's.
+    They must not overlap each other, q, the cache or the plan's buffers.
     """
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     _write_workspace(plan)
