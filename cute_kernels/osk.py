@@ -1523,7 +1523,8 @@ def _check_shapes(who: str, expected: dict) -> None:
         if t.dim() != len(shape) or any(want is not None and want != got for want, got in zip(shape, t.shape)):
             spelled = ", ".join("*" if e is None else str(e) for e in shape)
             raise ValueError(f"{who}: {name} must have shape [{spelled}], got {list(t.shape)}")
-        if t.stride(-1) != 1:  # compiled for a contiguous last dim (_fake_tensor)
+        # compiled for a contiguous last dim (_fake_tensor); an empty or size-1 one has no stride
+        if t.numel() and t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{who}: {name} must have a contiguous last dim, got strides {t.stride()}")
 
 

@@ -165,6 +165,11 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
     cosa.run(first, batch.q, batch.cache)
     assert first.stats().computed.tolist() == private.stats().computed.tolist()
     assert not torch.equal(dense, sparse)
+    pool = torch.zeros(2 << 16, dtype=torch.uint8)  # two workspaces in one allocation: apart
+    halves = [cosa.plan(*plan_args(batch), budget=0.5, workspace=part) for part in (pool[:1 << 16], pool[1 << 16:])]
+    for half in halves:
+        cosa.run(half, batch.q, batch.cache)
+    assert all((half.stats().computed >= 1).all() for half in halves)
 
 
 def test_the_plan_keeps_the_page_table_it_was_given(batch):

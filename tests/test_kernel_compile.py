@@ -209,6 +209,17 @@ def test_osk_forward_rejects(change, error, match):
         osk.osk_forward(**_forward_args(**change), sm_scale=1.0, log_delta=-math.inf)
 
 
+def test_osk_forward_takes_a_plan_without_tiles(monkeypatch):
+    # numpy gives empty tables strides (0, 0): no stride to check, nothing to launch
+    monkeypatch.setattr(osk, "_launch", lambda *args: pytest.fail("launched without tiles"))
+    empty = {name: torch.from_numpy(np.zeros(shape, np.int32)) for name, shape in (
+        ("qtiles", (0, 8)), ("tile_order", (0, 2)), ("order", (0, 4, 0)), ("computed", (0, 4)), ("skipped", (0, 4)))}
+    assert empty["qtiles"].stride() == (0, 0)
+    osk.osk_forward(**_forward_args(q=torch.zeros(0, 4, 128, dtype=torch.bfloat16),
+                                    o=torch.zeros(0, 4, 128, dtype=torch.bfloat16), lse=torch.zeros(0, 4), **empty),
+                    sm_scale=1.0, log_delta=-math.inf)
+
+
 def test_osk_forward_rejects_a_scale_the_kernel_cannot_use():
     # beyond MAX_SM_SCALE, sm_scale * log2(e) is an infinite float32 and every logit inf or nan
     for sm_scale in (0.0, -1.0, math.nan, math.inf, math.nextafter(plan_layout.MAX_SM_SCALE, math.inf)):

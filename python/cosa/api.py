@@ -32,7 +32,7 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
-# Plans cut from one workspace share its buffers. Per workspace (device, storage address): the
+# Plans cut from one workspace share its buffers. Per workspace (device, first byte): the
 # token of the plan that last wrote them, by being made or run, so that stats() refuses to
 # read another plan's numbers.
 _workspace_writers: dict[tuple[str, int], int] = {}
@@ -298,7 +298,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
     computed.fill_(-1)   # unwritten until a run: stats() refuses them
     skipped.fill_(-1)
-    workspace_key = None if workspace is None else (str(device), workspace.untyped_storage().data_ptr())
+    workspace_key = None if workspace is None else (str(device), workspace.data_ptr())
 
     def to_device(array) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
@@ -403,8 +403,8 @@ def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
     ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
     visiting order, -1 padded."""
     k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
-    _write_workspace(plan)
     _rank(plan, q, k_cache)
+    _write_workspace(plan)
     return plan.order
 
 
@@ -422,7 +422,6 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     They must not overlap each other, q, the cache or the plan's buffers.
     """
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
-    _write_workspace(plan)
     if out is None:
         out = torch.empty_like(q)
     if lse is None:
@@ -435,6 +434,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
                     plan.computed, plan.skipped, sm_scale=plan.sm_scale,
                     log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf,
                     kv_layout=plan.kv_layout, causal=plan.causal)
+        _write_workspace(plan)
         return (out, lse) if return_lse else out
     for q_rows, qtile_rows, pages, kv_len in _requests(plan):
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
@@ -442,6 +442,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
         out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
             ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
                                    sm_scale=plan.sm_scale, delta=plan.delta)
+    _write_workspace(plan)
     return (out, lse) if return_lse else out
 
 

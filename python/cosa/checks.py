@@ -38,7 +38,9 @@ def check_tensor(name: str, x, dim: int | None = None) -> torch.Tensor:
 def check_disjoint(name: str, x: torch.Tensor) -> None:
     """An output's elements are written in parallel: no two may share an address (as in an
     expanded view). Taken by increasing stride, each dim's stride must reach past every
-    element the dims below it span."""
+    element the dims below it span.  An empty tensor has no elements to share."""
+    if x.numel() == 0:
+        return
     span = 1
     for stride, size in sorted((stride, size) for size, stride in zip(x.shape, x.stride()) if size > 1):
         if stride < span:
