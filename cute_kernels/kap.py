@@ -437,7 +437,7 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
     """Launch the two KAP kernels (see the module docstring for the contract)."""
     import torch
 
-    from ..checks import check_apart, check_disjoint  # like torch, imported when a launch needs it
+    from ..checks import check_apart  # like torch, imported when a launch needs it
 
     if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
         return
@@ -453,10 +453,8 @@ def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_ba
         "qbar": (qbar, torch.float32, (nq, Hq, D)), "kbar": (kbar, torch.float32, (block_pages.shape[0], Hkv, D))})
     _check_vector_rows("kap_order", "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
     _check_vector_rows("kap_order", "kbar", kbar)
-    outputs = {"qbar": qbar, "kbar": kbar, "order": order}
-    for name, output in outputs.items():
-        check_disjoint(f"kap_order: {name}", output)
-    check_apart(outputs, {"q": q, "k_cache": k_cache}, who="kap_order")  # plan tables trusted, as in osk_forward
+    check_apart({"qbar": qbar, "kbar": kbar, "order": order}, {"q": q, "k_cache": k_cache},
+                who="kap_order")  # plan tables trusted, as in osk_forward
     name = _dtype_name(q.dtype)
     (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
     _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))

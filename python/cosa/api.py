@@ -23,7 +23,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import byte_span, check_apart, check_disjoint, check_int, check_tensor
+from .checks import byte_span, check_apart, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -357,12 +357,10 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
         if not isinstance(out, torch.Tensor) or out.shape != q.shape or out.dtype != q.dtype \
                 or out.device != q.device:
             raise ValueError(f"out must be a tensor like q: shape {tuple(q.shape)}, {q.dtype}, on {q.device}")
-        check_disjoint("out", out)
     if lse is not None:
         if not isinstance(lse, torch.Tensor) or tuple(lse.shape) != expected[:2] \
                 or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
-        check_disjoint("lse", lse)
     outputs = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     if outputs:
         check_apart(outputs, {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v},
@@ -434,14 +432,13 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
                     plan.computed, plan.skipped, sm_scale=plan.sm_scale,
                     log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf,
                     kv_layout=plan.kv_layout, causal=plan.causal)
-        _write_workspace(plan)
-        return (out, lse) if return_lse else out
-    for q_rows, qtile_rows, pages, kv_len in _requests(plan):
-        keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
-        values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
-        out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
-            ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
-                                   sm_scale=plan.sm_scale, delta=plan.delta)
+    else:
+        for q_rows, qtile_rows, pages, kv_len in _requests(plan):
+            keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
+            values = gather_pages(v_cache, plan.kv_layout, pages, kv_len)
+            out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
+                ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
+                                       sm_scale=plan.sm_scale, delta=plan.delta)
     _write_workspace(plan)
     return (out, lse) if return_lse else out
 

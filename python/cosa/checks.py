@@ -35,7 +35,7 @@ def check_tensor(name: str, x, dim: int | None = None) -> torch.Tensor:
     return x
 
 
-def check_disjoint(name: str, x: torch.Tensor) -> None:
+def _check_disjoint(name: str, x: torch.Tensor) -> None:
     """An output's elements are written in parallel: no two may share an address (as in an
     expanded view). Taken by increasing stride, each dim's stride must reach past every
     element the dims below it span.  An empty tensor has no elements to share."""
@@ -63,14 +63,18 @@ def byte_span(name: str, x: torch.Tensor) -> tuple[str, torch.device, int, int]:
 
 def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], who: str = "",
                 input_spans: tuple = ()) -> None:
-    """No output's memory may meet another output's or an input's: the kernels read the
-    inputs while they write the outputs.  Judged by the address ranges the tensors span, so
-    views that interleave without sharing elements are refused too.  ``input_spans``: more
-    inputs, as ``byte_span`` gives them (kept by an owner whose tensors never change);
-    ``who`` prefixes the error (a launcher's name)."""
+    """Outputs written in parallel while the inputs are read: no two elements of one output may
+    share an address, and no output's memory may meet another output's or an input's.  The
+    latter is judged by the address ranges the tensors span, so views that interleave without
+    sharing elements are refused too.  ``input_spans``: more inputs, as ``byte_span`` gives
+    them (kept by an owner whose tensors never change); ``who`` prefixes the error (a
+    launcher's name)."""
+    prefix = f"{who}: " if who else ""
+    for name, x in outputs.items():
+        _check_disjoint(prefix + name, x)
     spans = [byte_span(name, x) for name, x in (*outputs.items(), *inputs.items())] + list(input_spans)
     for i, (name, device, start, end) in enumerate(spans[:len(outputs)]):
         for other, other_device, other_start, other_end in spans[i + 1:]:
             if start < other_end and other_start < end and device == other_device:
-                raise ValueError(f"{who}{': ' if who else ''}{name} shares memory with {other}: an output must not overlap "
+                raise ValueError(f"{prefix}{name} shares memory with {other}: an output must not overlap "
                                  "another output or an input")
