@@ -401,6 +401,16 @@ def fa4_block_sparse_tensors(block_sparsity, plan_: cosa.Plan):
         full_block_idx=full_idx, block_size=(BLOCK, BLOCK))
 
 
+def fa4_block_sparse_row(seq: int, plan_: cosa.Plan, blocks) -> Row:
+    """FA4 block-sparse's row: the blocks its lists hold, over the plan's candidate blocks (no
+    ``plan_.stats()``: the plan's mask comes from ``order_mask``, and no run wrote its counts)."""
+    computed = int(blocks.mask_block_cnt.sum() + blocks.full_block_cnt.sum())
+    candidates = int(plan_.qtiles[:, cosa._C.QT_NUM_CANDIDATES].sum()) * plan_.num_qo_heads
+    density = computed / max(1, candidates)
+    return Row(seq, None, fa4_block_sparse_name(plan_.budget), None, computed * BLOCK_FLOPS, density, density,
+               computed)
+
+
 class Runner:
     """Measures every row of one invocation, one sequence length at a time; prints each row as
     its length's rounds end."""
@@ -460,11 +470,7 @@ class Runner:
             return fa4.flash_attn_func(q4, k4, v4, softmax_scale=sm_scale, causal=True,
                                        block_sparse_tensors=blocks)
         out = call()[0][0]
-        density = plan_.stats().density_stage1
-        computed = int(blocks.mask_block_cnt.sum() + blocks.full_block_cnt.sum())
-        row = Row(seq, None, fa4_block_sparse_name(plan_.budget), None, computed * BLOCK_FLOPS, density, density,
-                  computed)
-        return Timed(row, call), out
+        return Timed(fa4_block_sparse_row(seq, plan_, blocks), call), out
 
     def sdpa(self, seq, q, k, v, sm_scale):
         from torch.nn.attention import SDPBackend, sdpa_kernel

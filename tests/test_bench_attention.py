@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_attention  # noqa: E402
@@ -128,3 +129,30 @@ def test_cosa_rows_give_every_row_its_budget_and_delta_once():
     assert rows[bench_attention.COSA_SKIP_ALL] == (bench_attention.B2_BUDGET, bench_attention.SKIP_ALL_DELTA)
     assert rows[bench_attention.COSA_FORCED] == (bench_attention.FORCED_ONLY_BUDGET, 0.0)
     assert bench_attention.cosa_rows(None)[bench_attention.COSA_B2] == (bench_attention.B2_BUDGET, None)
+
+
+def test_fa4_block_sparse_row_counts_the_blocks_its_lists_hold_over_the_candidates():
+    """The FA4 block-sparse row reads its density from CoSA's stage-1 mask before any run, and it
+    agrees with the density stats() reports once a run (delta 0) has computed that mask."""
+    import types
+
+    import cosa
+    from cosa.paged import indptr, paged_kv_cache
+    from cosa.synthetic import structured_qkv
+
+    seq, page = 5 * 128 + random.randrange(1, 128), 16
+    generator = torch.Generator().manual_seed(random.randrange(2**31))
+    q, k, v = structured_qkv(seq, 4, 2, 64, generator=generator, dtype=torch.bfloat16)
+    cache, *table = paged_kv_cache(k, v, [seq], page, combined=False, generator=generator)
+    plan_ = cosa.plan(indptr([seq], q.device), *table, 4, 2, 64, page, causal=True, budget=0.4, delta=0.0,
+                      q_data_type=torch.bfloat16)
+    cosa.order_mask(plan_, q, cache)
+    blocks = bench_attention.fa4_block_sparse_tensors(
+        types.SimpleNamespace(BlockSparseTensorsTorch=types.SimpleNamespace), plan_)
+    row = bench_attention.fa4_block_sparse_row(seq, plan_, blocks)
+
+    listed = int((plan_.order >= 0).sum())
+    assert row.computed == listed and row.flops == listed * bench_attention.BLOCK_FLOPS
+    cosa.run(plan_, q, cache)
+    assert row.density1 == row.density2 == pytest.approx(plan_.stats().density_stage1)
+    assert 0 < row.density1 < 1
