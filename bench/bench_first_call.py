@@ -6,7 +6,8 @@ those exported ahead of time into libcosa (AOT), each in fresh Python processes.
 Each process imports torch and cosa (``import``), makes the inputs and the CUDA context
 (untimed), then times ``cosa.plan`` (``plan``; it imports the CuTe DSL) and the first
 ``cosa.run`` with a synchronize (``first run``); ``first call`` is their sum.  Then ``steady``:
-the median CUDA-event time of further calls (``bench_attention.time_ms``).  JIT processes run with COSA_DISABLE_AOT=1;
+the median CUDA-event time of further calls (``bench_attention.time_ms``), and ``graph``: the same
+calls replayed from a CUDA graph, i.e. their GPU time alone.  JIT processes run with COSA_DISABLE_AOT=1;
 AOT needs a cosa built with COSA_AOT_KERNELS=1 (the ``kernel`` column says what each process
 used).  bench/README.md has the details.  Without a GPU it says so and exits 0.
 """
@@ -22,7 +23,8 @@ import sys
 import time
 
 MODES = ("jit", "aot")
-TIMES = ("import_s", "plan_s", "first_run_s", "first_call_s", "steady_ms")
+TIMES = ("import_s", "plan_s", "first_run_s", "first_call_s", "steady_ms", "graph_ms")
+GRAPH_CALLS = 10   # runs per CUDA-graph replay in ``graph ms``
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -44,7 +46,7 @@ def measure(args) -> dict:
     from cosa.cute_kernels import aot
     from cosa.paged import indptr, paged_kv_cache
     import_s = time.perf_counter() - start
-    from bench_attention import time_ms  # after the timed imports: it imports torch and cosa too
+    from bench_attention import GraphCall, time_ms  # after the timed imports: they import torch and cosa too
 
     hq, hkv, head_dim, page_size, n = 32, 8, 128, 16, args.seq_len
     q, k, v = (torch.randn(n, heads, head_dim, device="cuda", dtype=torch.bfloat16) for heads in (hq, hkv, hkv))
@@ -60,11 +62,13 @@ def measure(args) -> dict:
     first_call_s = time.perf_counter() - start
 
     steady_ms = time_ms(lambda: cosa.run(plan, q, cache), 3, args.steady)
+    # the same runs replayed from a CUDA graph: their GPU time without the host's launches
+    graph_ms = time_ms(GraphCall(lambda: cosa.run(plan, q, cache), 3, GRAPH_CALLS), 2, args.steady) / GRAPH_CALLS
     sources = {aot.kernel_source(kernel, "bfloat16", head_dim) for kernel in aot.KERNELS} if plan.uses_kernel else ()
     return {"mode": args.child, "kernel": "/".join(sorted({s.kind for s in sources})) or "reference",
             "kernel_detail": "; ".join(sorted({s.detail for s in sources})) or "cosa.run uses the torch reference",
             "import_s": import_s, "plan_s": plan_s, "first_run_s": first_call_s - plan_s,
-            "first_call_s": first_call_s, "steady_ms": steady_ms,
+            "first_call_s": first_call_s, "steady_ms": steady_ms, "graph_ms": graph_ms,
             "device": torch.cuda.get_device_name()}
 
 
@@ -95,10 +99,11 @@ def summarize(runs: list[dict]) -> dict:
 
 def format_table(summary: dict) -> str:
     lines = [f"{'mode':<5} {'kernel':<9} {'import s':>9} {'plan s':>8} {'first run s':>12} "
-             f"{'first call s':>13} {'steady ms':>10}"]
+             f"{'first call s':>13} {'steady ms':>10} {'graph ms':>9}"]
     for mode, m in summary.items():
         lines.append(f"{mode:<5} {m['kernel']:<9} {m['import_s']:9.2f} {m['plan_s']:8.2f} "
-                     f"{m['first_run_s']:12.2f} {m['first_call_s']:13.2f} {m['steady_ms']:10.3f}")
+                     f"{m['first_run_s']:12.2f} {m['first_call_s']:13.2f} {m['steady_ms']:10.3f} "
+                     f"{m['graph_ms']:9.3f}")
     return "\n".join(lines)
 
 
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
             runs.append(run_process(mode, args))
             r = runs[-1]
             print(f"[{repeat + 1}/{args.repeats}] {mode}: kernel {r['kernel']}, first call "
-                  f"{r['first_call_s']:.2f} s, steady {r['steady_ms']:.3f} ms", flush=True)
+                  f"{r['first_call_s']:.2f} s, steady {r['steady_ms']:.3f} ms, graph {r['graph_ms']:.3f} ms", flush=True)
     summary = summarize(runs)
     print(f"\n{runs[0]['device']}; 1 request, q_len = kv_len = {args.seq_len}, heads 32/8, head_dim 128, "
           f"bf16, page 16, budget 0.25, delta 0.05; medians of {args.repeats} processes per mode")
