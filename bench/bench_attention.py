@@ -151,25 +151,28 @@ def evaluate_targets(rows: list[Row], page_sizes) -> list[Target]:
         """Above 1, CoSA is faster than the peer."""
         return peer.ms / cosa_row.ms if peer and cosa_row else None
 
+    def kernel_speed(peer: Row | None, run: Row | None, proxy: Row | None) -> float | None:
+        """``speed`` of the kernel alone: the run's time less the proxy's, each a median of its
+        own calls (None where noise leaves no positive time)."""
+        kernel_ms = run.ms - proxy.ms if run and proxy else None
+        return peer.ms / kernel_ms if peer and kernel_ms and kernel_ms > 0 else None
+
     for seq in (32768, 131072):
         for page in page_sizes:
             peer, run, proxy = (find(rows, seq, p, name) for p, name in
                                 ((None, FA4_DENSE), (page, COSA_DENSE), (page, PROXY)))
-            note = f"kernel only {peer.ms / (run.ms - proxy.ms):.3f}" if peer and run and proxy else ""
+            kernel = kernel_speed(peer, run, proxy)
             targets.append(Target("cosa dense / fa4 dense speed", f"{seq} p{page}", speed(peer, run),
-                                  0.95, True, note))
+                                  0.95, True, "" if kernel is None else f"kernel only {kernel:.3f}"))
     for seq in seqs:
         for page in page_sizes:
             proxy = find(rows, seq, page, PROXY)
             for budget in BUDGETS:
                 peer = find(rows, seq, None, fa4_block_sparse_name(budget))
                 run = find(rows, seq, page, cosa_name(budget, 0.0))
-                # The kernel's time is the run's less the proxy's, each a median of its own calls.
-                kernel_ms = run.ms - proxy.ms if run and proxy else None
                 note = f"whole run {speed(peer, run):.3f}" if peer and run else ""
                 targets.append(Target(f"cosa kernel / fa4 block-sparse b={budget} speed", f"{seq} p{page}",
-                                      peer.ms / kernel_ms if peer and kernel_ms and kernel_ms > 0 else None,
-                                      1.0, True, note))
+                                      kernel_speed(peer, run, proxy), 1.0, True, note))
     for seq in seqs:
         for page in page_sizes:
             three = [find(rows, seq, page, name)
@@ -462,8 +465,10 @@ class Runner:
         call()
         return Timed(Row(seq, paged.page_size, FA4_PAGED, None, dense_causal_flops(seq), 1.0, 1.0), call), None
 
-    def fa4_block_sparse(self, seq, q, k, v, plan_, sm_scale):
+    def fa4_block_sparse(self, seq, q, k, v, paged: Paged, budget, sm_scale):
         fa4, q4, k4, v4 = self._fa4(), q[None], k[None], v[None]
+        plan_ = paged.plan(budget, 0.0)
+        cosa.order_mask(plan_, q, paged.cache)
         blocks = fa4_block_sparse_tensors(self.block_sparsity, plan_)
 
         def call():
@@ -564,11 +569,9 @@ class Runner:
             self.prepare(group, seq, page, PROXY, lambda: self.proxy(seq, paged, q))
             for budget in BUDGETS:
                 if budget not in fa4_sparse_out:   # the stage-1 mask depends on q and k, not on pages
-                    plan_ = paged.plan(budget, 0.0)
-                    cosa.order_mask(plan_, q, paged.cache)
                     fa4_sparse_out[budget] = self.prepare(
                         group, seq, None, fa4_block_sparse_name(budget),
-                        lambda: self.fa4_block_sparse(seq, q, k, v, plan_, sm_scale))
+                        lambda: self.fa4_block_sparse(seq, q, k, v, paged, budget, sm_scale))
             self.prepare_cosa(group, seq, paged, q, fa4_dense_out, fa4_sparse_out)
         sample = lambda call: time_samples(call, self.args.warmup, self.args.repeats, self.args.settle)  # noqa: E731
         for row in time_in_rounds(group, self.args.rounds, sample):

@@ -156,3 +156,25 @@ def test_fa4_block_sparse_row_counts_the_blocks_its_lists_hold_over_the_candidat
     cosa.run(plan_, q, cache)
     assert row.density1 == row.density2 == pytest.approx(plan_.stats().density_stage1)
     assert 0 < row.density1 < 1
+
+
+@pytest.mark.parametrize("kernel_ms", [-0.01, 0.0, 0.25])
+def test_kernel_targets_take_the_run_less_the_proxy_and_give_none_without_a_positive_time(kernel_ms):
+    """Noise can leave a run no slower than its proxy; the kernel-only ratios then read n/a."""
+    seq, page, budget = 32768, 16, bench_attention.BUDGETS[0]
+    proxy_ms, peer_ms = random.uniform(0.05, 0.2), random.uniform(1.0, 2.0)
+    run_ms = proxy_ms + kernel_ms
+    rows = [Row(seq, None, bench_attention.FA4_DENSE, peer_ms),
+            Row(seq, page, bench_attention.PROXY, proxy_ms),
+            Row(seq, page, bench_attention.COSA_DENSE, run_ms),
+            Row(seq, None, bench_attention.fa4_block_sparse_name(budget), peer_ms),
+            Row(seq, page, bench_attention.cosa_name(budget, 0.0), run_ms)]
+    targets = {t.name: t for t in bench_attention.evaluate_targets(rows, [page]) if t.where == f"{seq} p{page}"}
+    dense = targets["cosa dense / fa4 dense speed"]
+    sparse = targets[f"cosa kernel / fa4 block-sparse b={budget} speed"]
+    assert dense.ratio == pytest.approx(peer_ms / run_ms)
+    if kernel_ms > 0:
+        assert sparse.ratio == pytest.approx(peer_ms / kernel_ms)
+        assert dense.note == f"kernel only {peer_ms / kernel_ms:.3f}"
+    else:
+        assert sparse.ratio is None and sparse.status == "n/a" and dense.note == ""
