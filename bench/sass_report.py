@@ -116,7 +116,8 @@ def _compile_ptx(kernel: str, dtype: str, head_dim: int, dump: Path) -> Path:
     os.environ["CUTE_DSL_ARCH"] = "sm_90a"
     os.environ["CUTE_DSL_KEEP_PTX"] = "1"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(dump)
-    dump.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(dump, ignore_errors=True)   # a --save directory's earlier PTX would be read instead
+    dump.mkdir(parents=True)
     load_variant(kernel).compile_config(dtype, head_dim, use_tvm_ffi=False)
     ptx = sorted(dump.glob("*.ptx"))
     if not ptx:

@@ -145,3 +145,20 @@ def test_the_default_kernel_is_this_checkouts_file(monkeypatch):
             assert str(stop) == "recorded"
         assert Path(compiled.pop()) == expected
     assert (Path(__file__).resolve().parents[1] / "cute_kernels" / "osk.py").is_file()
+
+
+def test_a_reused_save_directory_reports_the_new_compile_not_an_earlier_ptx(tmp_path, monkeypatch):
+    """--save DIR run twice: the DSL's dump of the second compile is the PTX read, not whichever
+    file of the first sorts first."""
+    import sass_report
+
+    for name in ("CUTE_DSL_ARCH", "CUTE_DSL_KEEP_PTX", "CUTE_DSL_DUMP_DIR"):
+        monkeypatch.setenv(name, "")    # recorded, so that what _compile_ptx sets is undone after
+    stamp = str(random.getrandbits(64))
+    variant = tmp_path / "variant.py"
+    variant.write_text("import os\nfrom pathlib import Path\n\n\ndef compile_config(dtype, head_dim, use_tvm_ffi=False):\n"
+                       f"    (Path(os.environ['CUTE_DSL_DUMP_DIR']) / 'zz_kernel.ptx').write_text('{stamp}')\n")
+    dump = tmp_path / "save" / "dump"
+    dump.mkdir(parents=True)
+    (dump / "aa_earlier_config.ptx").write_text("stale")
+    assert sass_report._compile_ptx(str(variant), "bfloat16", 128, dump).read_text() == stamp
