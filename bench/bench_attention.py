@@ -631,7 +631,7 @@ def parse_args(argv=None):
     return args
 
 
-def write_json(path: str, runner: Runner, targets: list[Target] | None) -> None:
+def write_json(path: str, runner: Runner, targets: list[Target]) -> None:
     report = {
         "config": {**vars(runner.args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                    "cuda": torch.version.cuda, "flash_attn_4": runner.fa4_version,
@@ -640,7 +640,7 @@ def write_json(path: str, runner: Runner, targets: list[Target] | None) -> None:
                    "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "calibration": runner.calibration,
         "rows": [dataclasses.asdict(r) for r in runner.rows],
-        "targets": [dict(dataclasses.asdict(t), status=t.status) for t in targets or []],
+        "targets": [dict(dataclasses.asdict(t), status=t.status) for t in targets],
     }
     with open(path, "w") as f:
         json.dump(report, f, indent=1)
@@ -665,10 +665,9 @@ def main(argv=None) -> int:
         for seq in args.seq_lens:
             runner.measure(seq)
             torch.cuda.empty_cache()
-            write_json(args.json, runner, None)      # partial results survive a later failure
-    finish_rows(runner.rows)
-    targets = evaluate_targets(runner.rows, args.page_sizes)
-    write_json(args.json, runner, targets)
+            finish_rows(runner.rows)
+            targets = evaluate_targets(runner.rows, args.page_sizes)
+            write_json(args.json, runner, targets)      # each length: a run that dies keeps what it measured
     print(f"\nbatch 1, heads {NUM_QO_HEADS}/{NUM_KV_HEADS}, head_dim {HEAD_DIM}, bf16, causal; "
           f"{time.time() - started:.0f} s; JSON in {args.json}")
     print(format_table(runner.rows))
