@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "c_api.hpp"
+#include "kernels.hpp"
 
 #ifdef COSA_AOT_KERNELS
 #include <cuda_runtime.h>
@@ -127,31 +128,13 @@ void check_disjoint(const int64_t* strides, int64_t tokens, int64_t heads, int64
 
 }  // namespace
 
+using cosa::kernels::OskArgs;
+using cosa::kernels::PoolArgs;
+using cosa::kernels::RankArgs;
+using cosa::kernels::Tensor;
+
 #ifdef COSA_AOT_KERNELS
 namespace {
-
-// A tensor as the exported launchers take it: its extents (all dynamic, head_dim too) and
-// the strides of all but its contiguous last dim.
-struct Tensor {
-    void* data;
-    int32_t shape[4];
-    int64_t stride[3];
-};
-
-// The arguments of each exported kernel, in its order (cute_kernels/osk.py, kap.py).
-struct OskArgs {
-    Tensor q, k, v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order,
-        order, computed, skipped;
-    float sm_scale, log_delta;
-    int32_t page_shift, group, causal, num_tiles;
-};
-struct PoolArgs {
-    Tensor k, block_pages, kv_block_indptr, kv_lens, kbar;
-    int32_t page_shift;
-};
-struct RankArgs {
-    Tensor q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order;
-};
 
 template <class T, class = void>
 struct has_strides : std::false_type {};
@@ -262,18 +245,45 @@ const Launcher<PoolArgs> kPool[4] = COSA_CONFIGS(kap_pool);
 const Launcher<RankArgs> kRank[4] = COSA_CONFIGS(kap_rank);
 
 template <class Args>
-void launch(const Launcher<Args> (&configs)[4], const cosa_plan& plan, const Args& args,
-            cudaStream_t stream, const char* what) {
-    const int config = (plan.dtype == COSA_DTYPE_BFLOAT16 ? 0 : 2) + (plan.head_dim == 64 ? 0 : 1);
-    const int32_t ret = configs[config](args, stream);
+void launch_config(const Launcher<Args> (&configs)[4], cosa_dtype dtype, int32_t head_dim, const Args& args,
+                   void* stream, const char* what) {
+    if ((dtype != COSA_DTYPE_BFLOAT16 && dtype != COSA_DTYPE_FLOAT16) || (head_dim != 64 && head_dim != 128))
+        invalid(std::string(what) + ": no kernel for dtype " + std::to_string(static_cast<int>(dtype)) +
+                " and head_dim " + std::to_string(head_dim));
+    const int config = (dtype == COSA_DTYPE_BFLOAT16 ? 0 : 2) + (head_dim == 64 ? 0 : 1);
+    const int32_t ret = configs[config](args, static_cast<cudaStream_t>(stream));
     if (ret != 0) throw cosa::CudaError(std::string(what) + " launch failed with code " + std::to_string(ret));
 }
 
 }  // namespace
 
+namespace cosa::kernels {
+void launch(cosa_dtype dtype, int32_t head_dim, const OskArgs& args, void* stream) {
+    launch_config(kOsk, dtype, head_dim, args, stream, "OSK kernel");
+}
+void launch(cosa_dtype dtype, int32_t head_dim, const PoolArgs& args, void* stream) {
+    launch_config(kPool, dtype, head_dim, args, stream, "KAP pool kernel");
+}
+void launch(cosa_dtype dtype, int32_t head_dim, const RankArgs& args, void* stream) {
+    launch_config(kRank, dtype, head_dim, args, stream, "KAP rank kernel");
+}
+}  // namespace cosa::kernels
+
 cosa_plan::~cosa_plan() { cudaFree(words); }  // the device is the plan's; errors cannot be reported
 
 #else
+namespace {
+[[noreturn]] void no_kernels() {
+    throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");
+}
+}  // namespace
+
+namespace cosa::kernels {
+void launch(cosa_dtype, int32_t, const OskArgs&, void*) { no_kernels(); }
+void launch(cosa_dtype, int32_t, const PoolArgs&, void*) { no_kernels(); }
+void launch(cosa_dtype, int32_t, const RankArgs&, void*) { no_kernels(); }
+}  // namespace cosa::kernels
+
 cosa_plan::~cosa_plan() = default;
 #endif
 
@@ -362,7 +372,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->remap.plan = std::move(host);
         *out = plan.release();
 #else
-        throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");
+        no_kernels();
 #endif
     });
 }
@@ -398,7 +408,6 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
                       batch = static_cast<int32_t>(p.batch_size());
         const auto total_q = static_cast<int32_t>(plan->total_q), pages = static_cast<int32_t>(plan->num_pages);
         const auto page_shift = static_cast<int32_t>(std::log2(page_size));
-        const auto cuda_stream = static_cast<cudaStream_t>(stream);
         int32_t* w = plan->words;
         const Tensor q{const_cast<void*>(args->q), {total_q, hq, d}, {args->q_strides[0], args->q_strides[1]}};
         const Tensor k{const_cast<void*>(args->k_cache), {pages, page_size, hkv, d},
@@ -411,13 +420,14 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
                            {nq, hq, p.k_max}, {static_cast<int64_t>(hq) * p.k_max, p.k_max}};
         if (args->order == nullptr) {  // stage 1: KAP's order mask into the plan's scratch
             const Tensor kbar{w + plan->kbar, {num_kv_blocks, hkv, d}, {static_cast<int64_t>(hkv) * d, d}};
-            launch(kPool, *plan, PoolArgs{k, block_pages, kv_block_indptr, kv_lens, kbar, page_shift}, cuda_stream,
-                   "KAP pool kernel");
+            cosa::kernels::launch(plan->dtype, d, PoolArgs{k, block_pages, kv_block_indptr, kv_lens, kbar, page_shift},
+                                  stream);
             const auto width = static_cast<int32_t>(p.max_request_blocks());
-            launch(kRank, *plan,
-                   RankArgs{q, {w + plan->qbar, {nq, hq, d}, {static_cast<int64_t>(hq) * d, d}}, kbar,
-                            {w + plan->rank_base, {nq, width}, {width}}, qtiles, kv_block_indptr, order},
-                   cuda_stream, "KAP rank kernel");
+            cosa::kernels::launch(plan->dtype, d,
+                                  RankArgs{q, {w + plan->qbar, {nq, hq, d}, {static_cast<int64_t>(hq) * d, d}},
+                                           kbar, {w + plan->rank_base, {nq, width}, {width}}, qtiles,
+                                           kv_block_indptr, order},
+                                  stream);
         }
         OskArgs a{};
         a.q = q;
@@ -441,10 +451,10 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         a.group = hq / hkv;
         a.causal = plan->causal ? 1 : 0;
         a.num_tiles = static_cast<int32_t>(p.num_tiles());
-        launch(kOsk, *plan, a, cuda_stream, "OSK kernel");
+        cosa::kernels::launch(plan->dtype, d, a, stream);
 #else
         (void)stream;
-        throw cosa::Unsupported("libcosa was built without the kernels (configure with -DCOSA_AOT_KERNELS=ON)");
+        no_kernels();
 #endif
     });
 }

@@ -1,4 +1,5 @@
-// cosa._C: the remap layer (remap.hpp) on numpy int32 arrays.
+// cosa._C: the remap layer (remap.hpp) on numpy int32 arrays, and libcosa's kernel
+// launchers (kernels.hpp) for Python's run.
 //
 // Calls keep the GIL: the input arrays are borrowed, and another thread
 // changing one between validation and use could otherwise steer reads out of
@@ -15,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels.hpp"
 #include "remap.hpp"
 
 namespace py = pybind11;
@@ -170,6 +172,64 @@ py::array_t<int32_t> resolve_order(py::handle plan_obj, py::handle order_obj) {
     return pages;
 }
 
+// Kernel tensors as cute_kernels/aot.py passes them: per tensor its address, four extents
+// and three strides (all but the last dim's), unused ones 0.
+constexpr std::size_t kTensorWords = 8;
+
+template <std::size_t N>
+std::array<cosa::kernels::Tensor, N> kernel_tensors(const std::vector<int64_t>& words) {
+    if (words.size() != N * kTensorWords) {
+        throw py::value_error("tensors must hold " + std::to_string(N * kTensorWords) + " words (" +
+                              std::to_string(N) + " tensors), got " + std::to_string(words.size()));
+    }
+    std::array<cosa::kernels::Tensor, N> tensors{};
+    for (std::size_t i = 0; i < N; ++i) {
+        const int64_t* w = words.data() + i * kTensorWords;
+        tensors[i].data = reinterpret_cast<void*>(static_cast<std::uintptr_t>(w[0]));
+        for (std::size_t j = 0; j < 4; ++j) {
+            if (w[1 + j] < 0 || w[1 + j] > std::numeric_limits<int32_t>::max()) {
+                throw py::value_error("tensor " + std::to_string(i) + " has extent " + std::to_string(w[1 + j]) +
+                                      ", outside int32");
+            }
+            tensors[i].shape[j] = static_cast<int32_t>(w[1 + j]);
+        }
+        std::copy(w + 5, w + kTensorWords, tensors[i].stride);
+    }
+    return tensors;
+}
+
+cosa_dtype kernel_dtype(const std::string& name) {
+    if (name == "bfloat16") return COSA_DTYPE_BFLOAT16;
+    if (name == "float16") return COSA_DTYPE_FLOAT16;
+    throw py::value_error("dtype must be 'bfloat16' or 'float16', got '" + name + "'");
+}
+
+void* stream_of(std::uintptr_t stream) { return reinterpret_cast<void*>(stream); }
+
+void launch_osk(const std::string& dtype, int32_t head_dim, const std::vector<int64_t>& words, float sm_scale,
+                float log_delta, int32_t page_shift, int32_t group, int32_t causal, int32_t num_tiles,
+                std::uintptr_t stream) {
+    const auto t = kernel_tensors<14>(words);
+    const cosa::kernels::OskArgs args{t[0], t[1], t[2],  t[3],  t[4],     t[5],      t[6],       t[7],
+                                      t[8], t[9], t[10], t[11], t[12],    t[13],     sm_scale,   log_delta,
+                                      page_shift, group, causal, num_tiles};
+    cosa::kernels::launch(kernel_dtype(dtype), head_dim, args, stream_of(stream));
+}
+
+void launch_kap_pool(const std::string& dtype, int32_t head_dim, const std::vector<int64_t>& words,
+                     int32_t page_shift, std::uintptr_t stream) {
+    const auto t = kernel_tensors<5>(words);
+    cosa::kernels::launch(kernel_dtype(dtype), head_dim, cosa::kernels::PoolArgs{t[0], t[1], t[2], t[3], t[4], page_shift},
+                          stream_of(stream));
+}
+
+void launch_kap_rank(const std::string& dtype, int32_t head_dim, const std::vector<int64_t>& words,
+                     std::uintptr_t stream) {
+    const auto t = kernel_tensors<7>(words);
+    cosa::kernels::launch(kernel_dtype(dtype), head_dim,
+                          cosa::kernels::RankArgs{t[0], t[1], t[2], t[3], t[4], t[5], t[6]}, stream_of(stream));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -213,4 +273,15 @@ kv_block_indptr, k_max and num_qo_heads as attributes (CPU arrays or tensors).
 order [num_qtiles, num_qo_heads, k_max] lists each row's selected candidate
 blocks, each at most once, then -1. Padding entries resolve to -1, as do slots
 past kv_len. Raises ValueError naming plan or order when they disagree.)doc");
+
+    // libcosa's exported kernels, launched as cosa_run launches them: unchecked (the
+    // Python launchers check first), on the current device's stream given by address.
+    m.def("has_kernels", &cosa_has_kernels, "Whether libcosa was built with the kernels (COSA_AOT_KERNELS).");
+    m.def("launch_osk", &launch_osk, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
+          py::arg("sm_scale"), py::arg("log_delta"), py::arg("page_shift"), py::arg("group"),
+          py::arg("causal"), py::arg("num_tiles"), py::arg("stream"));
+    m.def("launch_kap_pool", &launch_kap_pool, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
+          py::arg("page_shift"), py::arg("stream"));
+    m.def("launch_kap_rank", &launch_kap_rank, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
+          py::arg("stream"));
 }

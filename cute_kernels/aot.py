@@ -11,16 +11,16 @@ embedded), ``prefix`` from ``aot_prefix``.  The objects are linked into libcosa.
 the CuTe DSL only: no GPU and no torch.
 
 Load: when the installed libcosa carries the kernels, ``osk_forward`` and ``kap.kap_order``
-launch them instead of compiling on first use: the DSL's ``cute.runtime.load_module`` turns
-libcosa's exported symbols into the callables ``compile_config(..., use_tvm_ffi=False)``
-would return, so the C API and Python run the very same binaries.  Otherwise (a default
-build, a source tree, ``COSA_DISABLE_AOT=1``) the kernels are compiled as before.
-``kernel_source`` says which, and why.
+launch them instead of compiling on first use, through libcosa's own launchers
+(``csrc/kernels.hpp``, bound in ``cosa._C``), so that the C API and Python run the very same
+binaries with the same host code, at a third of the host time the DSL's generic argument
+packing took (bench/NOTES.md, session 36).  Otherwise (a default build,
+``COSA_DISABLE_AOT=1``) the kernels are compiled as before.  ``kernel_source`` says which,
+and why.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import os
 import sys
@@ -51,17 +51,16 @@ class KernelSource(NamedTuple):
     detail: str                  # the library it is loaded from, or why it is compiled instead
 
 
-def load_kernel(kernel: Kernel, dtype_name: str, head_dim: int,
-                library: Path | None = None) -> tuple[Callable | None, KernelSource]:
-    """libcosa's exported ``kernel`` for the configuration (None: compile it) and its source.
+def load_kernel(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | None, KernelSource]:
+    """libcosa's launcher of ``kernel`` for the configuration (None: compile it) and its source.
 
-    The kernel takes the plain C ABI's arguments (cute tensors and a CUstream, no TVM-FFI).
-    ``library`` defaults to the installed package's libcosa.
+    The launcher is called as ``launcher(tensors, scalars, stream)``: the kernel's torch tensors
+    and scalars in its order, and the address of a CUDA stream of the current device.
     """
     switch = os.environ.get(DISABLE_AOT, "")
     if switch not in ("", "0"):  # read on every call, so a test can flip it
         return None, KernelSource("jit", f"{DISABLE_AOT}={switch}")
-    return _load(kernel, dtype_name, head_dim, LIBCOSA if library is None else library)
+    return _load(kernel, dtype_name, head_dim)
 
 
 def load_or_compile(kernels: tuple[Kernel, ...], dtype_name: str, head_dim: int,
@@ -81,33 +80,23 @@ def kernel_source(kernel: Kernel, dtype_name: str, head_dim: int) -> KernelSourc
 
 
 @functools.cache
-def _load(kernel: Kernel, dtype_name: str, head_dim: int,
-          library: Path) -> tuple[Callable | None, KernelSource]:
-    if not library.is_file():
-        return None, KernelSource("jit", f"no libcosa at {library}")
-    try:
-        has_kernels = ctypes.CDLL(str(library)).cosa_has_kernels
-    except (OSError, AttributeError) as error:  # not a shared library, or not libcosa
-        return None, KernelSource("jit", f"cannot load {library}: {error}")
-    has_kernels.restype = ctypes.c_bool
-    if not has_kernels():
-        return None, KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")
-    prefix = aot_prefix(kernel, dtype_name, head_dim)
-    try:
-        loaded = getattr(_module(library), prefix)
-    except ImportError as error:
-        return None, KernelSource("jit", f"loading {prefix} needs the CuTe DSL (cosa[gpu]): {error}")
-    except Exception as error:  # a DSL that cannot read this export: compile instead
-        return None, KernelSource("jit", f"cannot load {prefix} from {library}: {error}")
-    return loaded, KernelSource("aot", str(library))
+def _load(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | None, KernelSource]:
+    from .. import _C   # here: the build runs this file as cute_kernels.aot, outside the package
+
+    if not _C.has_kernels():
+        return None, KernelSource("jit", f"{LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)")
+    launch = getattr(_C, f"launch_{kernel}")
+
+    def launcher(tensors, scalars, stream: int) -> None:
+        launch(dtype_name, head_dim, [word for t in tensors for word in launch_words(t)], *scalars, stream)
+    return launcher, KernelSource("aot", str(LIBCOSA))
 
 
-@functools.cache
-def _module(library: Path):
-    # cute through osk, which sets the DSL's target architecture before the DSL first reads it.
-    from .osk import cute
-
-    return cute.runtime.load_module(str(library))
+def launch_words(t) -> tuple[int, ...]:
+    """A torch tensor as libcosa's launchers take it (``cosa._C``): its address, four extents and
+    the strides of all but its last dim, 0 past its dims."""
+    padding = (0,) * (4 - t.dim())
+    return (t.data_ptr(), *t.shape, *padding, *t.stride()[:-1], *padding)
 
 
 def main(out_dir: str) -> None:
@@ -117,7 +106,7 @@ def main(out_dir: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for dtype_name, head_dim in osk.CONFIGS:
         start = time.perf_counter()
-        # The plain C ABI (no TVM-FFI): what a C caller and cute.runtime.load_module use.
+        # The plain C ABI (no TVM-FFI): what libcosa's launchers (csrc/kernels.hpp) call.
         pool, rank = kap.compile_config(dtype_name, head_dim, use_tvm_ffi=False)
         compiled = {"osk": osk.compile_config(dtype_name, head_dim, use_tvm_ffi=False),
                     "kap_pool": pool, "kap_rank": rank}

@@ -1459,7 +1459,7 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
 
 # _to_cute's descriptors, by tensor object: a plan's tensors, passed on every call, are described
 # once (about 10 us a tensor, which the plain C ABI's launches pay on the host: some 25 tensors
-# a run).  A descriptor holds its tensor's DLPack capsule, and with it the tensor's memory, so an
+# a run, where the DSL has no TVM-FFI).  A descriptor holds its tensor's DLPack capsule, and with it the tensor's memory, so an
 # entry lives only as long as its tensor object: id(tensor) -> (tensor geometry, descriptor, weak
 # reference whose callback drops the entry).
 _cute_views: dict = {}   # one get or set at a time: atomic, no lock needed
@@ -1597,10 +1597,11 @@ def osk_forward(
 
 def _launch(fn, source, tensors, scalars=()) -> None:
     """Calls a kernel of ``source`` (``aot.KernelSource``) on the current torch stream of the
-    tensors' device, which need not be the current device: through TVM-FFI (torch tensors; it
-    switches to their device and takes its stream) where it was compiled with it, else through
-    the plain C ABI (``_to_cute``'s descriptors and an explicit stream), which the kernels
-    exported into libcosa take and which launches on the current device."""
+    tensors' device, which need not be the current device: a compiled kernel through TVM-FFI
+    (torch tensors; it switches to their device and takes its stream) where it was compiled
+    with it, else through the DSL's plain C ABI (``_to_cute``'s descriptors and an explicit
+    stream); libcosa's through its launcher (``aot.load_kernel``).  The last two launch on the
+    current device."""
     import torch
 
     if _HAVE_TVM_FFI and source.kind == "jit":
@@ -1608,4 +1609,8 @@ def _launch(fn, source, tensors, scalars=()) -> None:
         return
     device = tensors[0].device
     with torch.cuda.device(device):
-        fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(torch.cuda.current_stream(device).cuda_stream))
+        stream = torch.cuda.current_stream(device).cuda_stream
+        if source.kind == "aot":
+            fn(tensors, scalars, stream)
+        else:
+            fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(stream))

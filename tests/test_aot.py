@@ -9,6 +9,7 @@ its output with the JIT-compiled ones."""
 import ctypes
 import importlib.util
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -96,34 +97,69 @@ def test_installed_wheel_loads_its_kernels(site):
     assert sources.strip() == repr([("aot", str(_libcosa(site)))] * len(aot.KERNELS) * len(CONFIGS))
 
 
-def test_loader_compiles_without_a_libcosa_or_when_disabled(tmp_path, monkeypatch):
+def test_loader_compiles_when_disabled(monkeypatch):
+    monkeypatch.setenv(aot.DISABLE_AOT, "1")  # wins over a libcosa with the kernels
+    monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
+    assert aot.load_kernel("kap_rank", "bfloat16", 128) == (None, KernelSource("jit", f"{aot.DISABLE_AOT}=1"))
+
+
+@pytest.fixture
+def loader(monkeypatch):
+    """aot's loader asking afresh (its answers are cached per configuration)."""
     monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
-    missing = tmp_path / "libcosa.so"
-    assert aot.load_kernel("osk", "bfloat16", 128, library=missing) == \
-        (None, KernelSource("jit", f"no libcosa at {missing}"))
-    monkeypatch.setenv(aot.DISABLE_AOT, "1")  # wins over any libcosa
-    assert aot.kernel_source("kap_rank", "bfloat16", 128) == KernelSource("jit", f"{aot.DISABLE_AOT}=1")
+    aot._load.cache_clear()
+    yield aot
+    aot._load.cache_clear()
 
 
-def test_loader_compiles_when_the_library_is_not_libcosa(tmp_path, monkeypatch):
-    monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
-    broken = tmp_path / "libcosa.so"
-    broken.write_bytes(b"not a shared library")
-    kernel, source = aot.load_kernel("osk", "bfloat16", 128, library=broken)
-    assert kernel is None and source.kind == "jit" and source.detail.startswith(f"cannot load {broken}: ")
-    other = Path(torch._C.__file__)   # a shared library, but not libcosa
-    kernel, source = aot.load_kernel("osk", "bfloat16", 128, library=other)
-    assert kernel is None and "cosa_has_kernels" in source.detail
+def test_loader_reports_a_libcosa_built_without_kernels(loader, monkeypatch):
+    monkeypatch.setattr(cosa._C, "has_kernels", lambda: False)
+    assert loader.load_kernel("kap_pool", "float16", 64) == \
+        (None, KernelSource("jit", f"{aot.LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)"))
 
 
-def test_loader_reports_a_libcosa_built_without_kernels(monkeypatch):
-    monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
-    library = Path(cosa.cmake_prefix_path()) / "lib" / "libcosa.so"
-    kernel, source = aot.load_kernel("kap_pool", "float16", 64, library=library)
-    if source.kind == "aot":
-        pytest.skip("the installed cosa was built with the kernels")
-    assert kernel is None
-    assert source == KernelSource("jit", f"{library} was built without the kernels (COSA_AOT_KERNELS)")
+@pytest.mark.parametrize("kernel,scalars", [("osk", (0.125, -2.5, 4, 4, 1, 7)), ("kap_pool", (3,)), ("kap_rank", ())])
+def test_loaded_kernel_passes_libcosa_each_tensors_address_extents_and_strides(loader, monkeypatch, kernel, scalars):
+    """What the launcher hands cosa._C: the configuration, then per tensor eight words (address,
+    four extents, three strides: all but the last dim's, 0 past the tensor's dims), the
+    scalars and the stream."""
+    calls = []
+    monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
+    monkeypatch.setattr(cosa._C, f"launch_{kernel}", lambda *args: calls.append(args))
+    tensors = [torch.empty(5, 6, 7, 8)[:, 1:5:2], torch.empty(9, 8, dtype=torch.int32), torch.empty(3),
+               torch.empty(4, 5, 6, dtype=torch.bfloat16).transpose(0, 1)]
+    random.shuffle(tensors)
+    launcher, source = loader.load_kernel(kernel, "float16", 64)
+    assert source == KernelSource("aot", str(aot.LIBCOSA))
+    stream = random.randrange(1, 2**48)
+    launcher(tensors, scalars, stream)
+    words = []
+    for t in tensors:
+        padding = [0] * (4 - t.dim())
+        words += [t.data_ptr(), *t.shape, *padding, *t.stride()[:-1], *padding]
+    assert calls == [("float16", 64, words, *scalars, stream)]
+
+
+@pytest.mark.parametrize("kernel,count,scalars", [("osk", 14, (0.125, 0.0, 4, 4, 1, 1)), ("kap_pool", 5, (4,)),
+                                                  ("kap_rank", 7, ())])
+def test_libcosa_launchers_refuse_what_they_cannot_describe(kernel, count, scalars):
+    # checked by cosa._C before libcosa is asked to launch, built with the kernels or not
+    launch = getattr(cosa._C, f"launch_{kernel}")
+    with pytest.raises(ValueError, match=f"tensors must hold {8 * count} words \\({count} tensors\\), got 8"):
+        launch("bfloat16", 128, [0] * 8, *scalars, 0)
+    words = [0] * (8 * count)
+    words[8 * (count - 1) + 2] = 2**31
+    with pytest.raises(ValueError, match=f"tensor {count - 1} has extent 2147483648, outside int32"):
+        launch("bfloat16", 128, words, *scalars, 0)
+    with pytest.raises(ValueError, match="dtype must be 'bfloat16' or 'float16', got 'float32'"):
+        launch("float32", 128, [0] * (8 * count), *scalars, 0)
+
+
+def test_libcosa_launchers_refuse_another_head_dim_or_say_there_are_no_kernels():
+    message = ("OSK kernel: no kernel for dtype 0 and head_dim 96" if cosa._C.has_kernels()
+               else "libcosa was built without the kernels")
+    with pytest.raises((ValueError, RuntimeError), match=message):
+        cosa._C.launch_osk("bfloat16", 96, [0] * (8 * 14), 0.125, 0.0, 4, 4, 1, 1, 0)
 
 
 def test_launchers_take_all_their_kernels_from_libcosa_or_compile_all(monkeypatch):
@@ -172,9 +208,11 @@ def _inputs():
 
 @pytest.fixture
 def gpu_with_wheel_kernels(site, monkeypatch):
-    """osk_forward loads its kernels from the wheel's libcosa (the example's library)."""
+    """osk_forward launches the kernels of the installed cosa's libcosa, which are those of the
+    wheel built here (the example's library) when both are built from this tree."""
+    if not cosa._C.has_kernels():
+        pytest.skip("the installed cosa was built without the kernels (COSA_AOT_KERNELS=1 pip install .)")
     monkeypatch.delenv(aot.DISABLE_AOT, raising=False)
-    monkeypatch.setattr(aot, "LIBCOSA", _libcosa(site))
 
 
 @pytest.mark.gpu
