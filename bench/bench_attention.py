@@ -39,7 +39,8 @@ B2_BUDGET = 0.25
 SKIP_ALL_DELTA = 1e30      # threshold ln(1e30/kv_len) > any logit gain: all but the first block skip
 FORCED_ONLY_BUDGET = 1e-9  # selects the forced (local and sink) blocks only
 REFERENCE_MAX_SEQ = 8192   # longest sequence timed when cosa.run falls back to the torch reference
-PROXY_GRAPH_CALLS = 10     # proxy calls per CUDA-graph replay
+GRAPH_MS = 2.0             # a CUDA-graph replay holds calls for at least this long (its launch: ~0.5%)
+MAX_GRAPH_CALLS = 10       # ... and at most this many
 
 FA4_DENSE, SDPA, FA4_PAGED = "fa4 dense", "sdpa cudnn", "fa4 dense paged"
 DENSE_PEERS = (FA4_DENSE, SDPA)
@@ -288,10 +289,21 @@ class GraphCall:
 @dataclass
 class Timed:
     """A row waiting for its time: ``call`` is what is timed, and it runs the row's work ``calls``
-    times (a graph replay)."""
+    times (a graph replay).  ``replayable``: the work can be captured in a CUDA graph."""
     row: Row
     call: Callable[[], object]
     calls: int = 1
+    replayable: bool = True
+
+
+def as_graph(timed: Timed, warmup: int) -> Timed:
+    """``timed`` replayed from a CUDA graph of enough calls that a replay lasts ``GRAPH_MS``: the
+    GPU's time alone.  Eager calls back to back time the host's launch work instead wherever it
+    takes longer than the GPU's (at 8K, Python's checks and three launches of ~0.2 ms against a
+    sparse run's ~0.2 ms); a server captures its prefill or runs ahead of the GPU."""
+    per_call = time_ms(timed.call, warmup, 3)
+    calls = min(MAX_GRAPH_CALLS, max(1, math.ceil(GRAPH_MS / per_call)))
+    return Timed(timed.row, GraphCall(timed.call, 0, calls), timed.calls * calls)
 
 
 class Unavailable(RuntimeError):
@@ -430,12 +442,14 @@ class Runner:
         self.rows.append(row)
         print(format_row(row), flush=True)
 
-    @staticmethod
-    def prepare(group: list[Timed | Row], seq: int, page: int | None, name: str, build):
-        """Appends what ``build()`` returns as ``(timed, output)`` to ``group`` and returns the
-        output; a failure becomes a row that says why, so that one broken peer does not end the run."""
+    def prepare(self, group: list[Timed | Row], seq: int, page: int | None, name: str, build):
+        """Appends what ``build()`` returns as ``(timed, output)`` to ``group``, to be timed from a
+        CUDA graph unless ``--eager``, and returns the output; a failure becomes a row that says
+        why, so that one broken peer does not end the run."""
         try:
             timed, out = build()
+            if isinstance(timed, Timed) and timed.replayable and not self.args.eager:
+                timed = as_graph(timed, self.args.warmup)
         except Exception as error:  # noqa: BLE001
             timed, out = failure_row(seq, page, name, error), None
         group.append(timed)
@@ -513,7 +527,7 @@ class Runner:
             note = f"err {rel_err(out, check[1]):.1e} vs {check[0]}"
         row = Row(seq, paged.page_size, name, None, computed * BLOCK_FLOPS, stats.density_stage1,
                   stats.density_stage2, computed, int(stats.skipped.sum()), delta, note)
-        return Timed(row, call), None
+        return Timed(row, call, replayable=plan_.uses_kernel), None   # the torch reference is timed eagerly
 
     def proxy(self, seq, paged: Paged, q):
         plan_ = paged.plan(B2_BUDGET, 0.0)
@@ -521,11 +535,9 @@ class Runner:
         def call():
             return cosa.order_mask(plan_, q, paged.cache)
         if plan_.rank_kernel is None:  # the torch path: its host loop is part of its time
-            return Timed(Row(seq, paged.page_size, PROXY, None, note="torch path"), call), None
+            return Timed(Row(seq, paged.page_size, PROXY, None, note="torch path"), call, replayable=False), None
         eager = time_ms(call, self.args.warmup, self.args.repeats)
-        graph = GraphCall(call, self.args.warmup, PROXY_GRAPH_CALLS)
-        row = Row(seq, paged.page_size, PROXY, None, note=f"eager call {eager:.3f} ms")
-        return Timed(row, graph, PROXY_GRAPH_CALLS), None
+        return Timed(Row(seq, paged.page_size, PROXY, None, note=f"eager call {eager:.3f} ms"), call), None
 
     def calibrate(self, seqs, paged: Paged, q, origin: str) -> None:
         """The b2 row's delta (stage-2 density B2 at budget B2_BUDGET) on ``q``, for ``seqs``; untimed."""
@@ -618,6 +630,9 @@ def parse_args(argv=None):
     parser.add_argument("--calibrate-len", type=int,
                         help="calibrate the b2 row's delta once on a separate sample of this many tokens "
                              "(default: on each length's own input)")
+    parser.add_argument("--eager", action="store_true",
+                        help="time back-to-back eager calls, the host's launch work included, instead of "
+                             "CUDA-graph replays (GPU time)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.seq_lens is None:
@@ -655,7 +670,8 @@ def main(argv=None) -> int:
     runner = Runner(args)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, flash_attn.cute {runner.fa4_version}, "
           f"cosa {cosa.__version__}; {args.rounds} rounds of, per row, a warm-up of {args.warmup} calls and at "
-          f"least {args.settle:g} s, then {args.repeats} timed calls; medians over all, L2 not flushed", flush=True)
+          f"least {args.settle:g} s, then {args.repeats} timed calls, "
+          f"{'eager' if args.eager else 'CUDA-graph replays (GPU time)'}; medians over all, L2 not flushed", flush=True)
     print(f"cosa.run uses the {'OSK kernel' if runner.uses_kernel else 'torch reference'}", flush=True)
     print(TABLE_HEADER, flush=True)
     started = time.time()

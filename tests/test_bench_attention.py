@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import statistics
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -134,8 +135,6 @@ def test_cosa_rows_give_every_row_its_budget_and_delta_once():
 def test_fa4_block_sparse_row_counts_the_blocks_its_lists_hold_over_the_candidates():
     """The FA4 block-sparse row reads its density from CoSA's stage-1 mask before any run, and it
     agrees with the density stats() reports once a run (delta 0) has computed that mask."""
-    import types
-
     import cosa
     from cosa.paged import indptr, paged_kv_cache
     from cosa.synthetic import structured_qkv
@@ -178,3 +177,24 @@ def test_kernel_targets_take_the_run_less_the_proxy_and_give_none_without_a_posi
         assert dense.note == f"kernel only {peer_ms / kernel_ms:.3f}"
     else:
         assert sparse.ratio is None and sparse.status == "n/a" and dense.note == ""
+
+
+@pytest.mark.parametrize("per_call_ms,calls", [(0.3, 7), (2.0, 1), (50.0, 1), (0.01, 10)])
+def test_rows_are_timed_from_graphs_of_enough_calls_unless_eager_or_not_replayable(monkeypatch, per_call_ms, calls):
+    """A replay lasts GRAPH_MS (at most MAX_GRAPH_CALLS calls), its time divided by its calls;
+    --eager and rows that cannot be captured keep their eager call."""
+    captured = []
+    monkeypatch.setattr(bench_attention, "time_ms", lambda call, warmup, repeats: per_call_ms)
+    monkeypatch.setattr(bench_attention, "GraphCall", lambda call, warmup, n: captured.append((call, n)) or "graph")
+    call = lambda: None  # noqa: E731
+    runner = types.SimpleNamespace(args=types.SimpleNamespace(eager=False, warmup=3))
+    group = []
+    for replayable in (True, False):
+        bench_attention.Runner.prepare(runner, group, 8192, 16, "row", lambda r=replayable: (
+            bench_attention.Timed(Row(8192, 16, "row", None), call, replayable=r), None))
+    assert captured == [(call, calls)]
+    assert (group[0].call, group[0].calls) == ("graph", calls) and (group[1].call, group[1].calls) == (call, 1)
+    runner.args.eager = True
+    bench_attention.Runner.prepare(runner, group, 8192, 16, "row", lambda: (
+        bench_attention.Timed(Row(8192, 16, "row", None), call), None))
+    assert (group[2].call, group[2].calls) == (call, 1) and len(captured) == 1
