@@ -10,7 +10,8 @@ their outputs are bitwise equal, the ratio of their times, and each one's skip-c
 Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
 stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
 delta 0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel
-swapped for the version's ``osk_forward``, so a row's time includes the proxy, as in
+swapped for the version's ``osk_forward`` on the plan's tables (``bound``: every version takes
+them so, and pays the same host checks), so a row's time includes the proxy, as in
 ``bench_attention.py``, and the skip-cost fit is the one that benchmark's target uses, each
 version's with its own block counts (the table shows the new version's). Where calibration cannot
 reach b2 on the input, that row is left out.
@@ -95,6 +96,16 @@ def skip_costs(results: list[Result]) -> dict[str, float | None]:
             for version in VERSIONS}
 
 
+def bound(osk_forward, plan: cosa.Plan):
+    """A version's ``osk_forward`` as ``plan``'s kernel (``cosa.Plan.kernel``): launched on the
+    plan's tables and counters."""
+    def kernel(q, k_cache, v_cache, out, lse, *, sm_scale: float, log_delta: float) -> None:
+        osk_forward(q, k_cache, v_cache, plan.block_pages, plan.kv_block_indptr, plan.qo_lens, plan.kv_lens,
+                    plan.qtiles, plan.tile_order, plan.order, out, lse, plan.computed, plan.skipped,
+                    sm_scale=sm_scale, log_delta=log_delta, kv_layout=plan.kv_layout, causal=plan.causal)
+    return kernel
+
+
 def measure(kernels: dict, seq: int, page: int, head_dim: int, args) -> list[Result]:
     """Both versions on every row of one (sequence length, page size), timed in rounds."""
     generator = torch.Generator().manual_seed(args.seed + seq)
@@ -112,7 +123,7 @@ def measure(kernels: dict, seq: int, page: int, head_dim: int, args) -> list[Res
         plan_ = paged.plan(*settings[name])
         outputs = {}
         for version, kernel in kernels.items():
-            versioned = dataclasses.replace(plan_, kernel=kernel)
+            versioned = dataclasses.replace(plan_, kernel=bound(kernel, plan_))
             out, lse = torch.full_like(q, math.nan), torch.full_like(plan_.lse, math.nan)
             plan_.computed.fill_(-1)
             plan_.skipped.fill_(-1)

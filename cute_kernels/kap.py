@@ -9,6 +9,11 @@ Entry points
     Whether the kernels cover the configuration: the OSK configurations (head_dim 64 or
     128, fp16/bf16) and requests of at most ``MAX_KEY_BLOCKS`` key blocks.
 
+``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order, *,
+num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout="NHD")(q, k_cache)``
+    The kernels bound to a plan's tables and buffers (as ``osk.Launcher``); a call launches
+    as ``kap_order``.
+
 ``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base,
 qbar, kbar, order, *, kv_layout="NHD") -> None``
     Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream of
@@ -73,8 +78,8 @@ import threading
 import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import (CONFIGS, _HAVE_TVM_FFI, _check_shapes, _check_vector_rows, _cutlass_dtype, _dtype_name,
-                  _fake_tensor, _launch, _paged_operands, _plan_operands, _row_offset)
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _Operands, _check_shapes, _check_vector_rows, _cutlass_dtype,
+                  _dtype_name, _fake_tensor, _launch, _plan_tables, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_or_compile
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
@@ -85,7 +90,7 @@ import cutlass.cute as cute  # noqa: E402
 from cutlass import Float32, Int32, Int64, const_expr  # noqa: E402
 from cutlass._mlir.dialects import llvm  # noqa: E402
 
-__all__ = ["supported", "kap_order", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
+__all__ = ["supported", "kap_order", "Launcher", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
 
 MAX_KEY_BLOCKS = 4096          # int64 key slots in KAPRank's shared memory
 POOL_THREADS = 128
@@ -432,31 +437,58 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
     return pool, rank
 
 
+_WHO = "kap_order"  # what KAP's errors start with, bound or not
+
+
+class Launcher:
+    """The KAP kernels bound to one plan: the plan's tables, the means and the order mask they
+    write, and the operands' extents are checked once, here; each call checks q and the cache
+    and launches (``osk.Launcher`` does the same for OSK)."""
+
+    def __init__(self, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order, *,
+                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                 kv_layout: str = "NHD"):
+        import torch
+
+        from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
+
+        self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
+        self.operands.check(_WHO)
+        if not supported(head_dim, dtype, rank_base.shape[-1]):
+            raise ValueError(f"{_WHO}: no kernel for head_dim={head_dim}, dtype={dtype}, "
+                             f"{rank_base.shape[-1]} key blocks (at most {MAX_KEY_BLOCKS})")
+        nq = qtiles.shape[0]
+        _check_shapes(_WHO, {
+            **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
+            "rank_base": (rank_base, torch.int64, (nq, None)), "qbar": (qbar, torch.float32, (nq, num_qo_heads, head_dim)),
+            "kbar": (kbar, torch.float32, (block_pages.shape[0], num_kv_heads, head_dim))})
+        _check_vector_rows(_WHO, "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
+        _check_vector_rows(_WHO, "kbar", kbar)
+        outputs = {"qbar": qbar, "kbar": kbar, "order": order}
+        check_apart(outputs, {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "kv_lens": kv_lens,
+                              "qtiles": qtiles, "rank_base": rank_base}, who=_WHO)
+        self.k_max = order.shape[-1]
+        self._pool_tensors = (block_pages, kv_block_indptr, kv_lens, kbar)
+        self._rank_tensors = (qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
+        self._output_spans = tuple(byte_span(name, t) for name, t in outputs.items())
+
+    def __call__(self, q, k_cache) -> None:
+        from ..checks import check_apart
+
+        (k,) = self.operands.views(_WHO, q, {"k_cache": k_cache}, {})
+        check_apart({}, {"q": q, "k_cache": k_cache}, who=_WHO, checked_outputs=self._output_spans)
+        if self.k_max == 0:  # no tile selects a block, nothing to write
+            return
+        name, D = _dtype_name(self.operands.dtype), self.operands.head_dim
+        (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
+        _launch(pool, source, (k, *self._pool_tensors), (self.operands.page_shift,))
+        _launch(rank, source, (q, *self._rank_tensors))
+
+
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
               order, *, kv_layout: str = "NHD") -> None:
-    """Launch the two KAP kernels (see the module docstring for the contract)."""
-    import torch
-
-    from ..checks import check_apart  # like torch, imported when a launch needs it
-
-    if order.shape[-1] == 0:  # k_max == 0: no tile selects a block, nothing to write
-        return
-    D = q.shape[-1]
-    if not supported(D, q.dtype, rank_base.shape[-1]):
-        raise ValueError(f"kap_order: no kernel for head_dim={D}, dtype={q.dtype}, "
-                         f"{rank_base.shape[-1]} key blocks (at most {MAX_KEY_BLOCKS})")
-    (k,), page_shift = _paged_operands("kap_order", q, {"k_cache": k_cache}, kv_layout, {})
-    expected = _plan_operands("kap_order", q, (k,), block_pages, kv_block_indptr, kv_lens, qtiles, order)
-    nq, Hq, Hkv = qtiles.shape[0], q.shape[1], k.shape[2]
-    _check_shapes("kap_order", {
-        **expected, "rank_base": (rank_base, torch.int64, (nq, None)),
-        "qbar": (qbar, torch.float32, (nq, Hq, D)), "kbar": (kbar, torch.float32, (block_pages.shape[0], Hkv, D))})
-    _check_vector_rows("kap_order", "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
-    _check_vector_rows("kap_order", "kbar", kbar)
-    check_apart({"qbar": qbar, "kbar": kbar, "order": order}, {"q": q, "k_cache": k_cache},
-                who="kap_order")  # plan tables trusted, as in osk_forward
-    name = _dtype_name(q.dtype)
-    (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
-    _launch(pool, source, (k, block_pages, kv_block_indptr, kv_lens, kbar), (page_shift,))
-    _launch(rank, source, (q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order))
-
+    """Launch the two KAP kernels (see the module docstring for the contract): a ``Launcher``
+    bound to these tables for one call."""
+    operands = _Operands.of(_WHO, q, k_cache, kv_layout)
+    Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order,
+             **operands._asdict())(q, k_cache)

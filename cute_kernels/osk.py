@@ -5,6 +5,12 @@ Entry points
 ``supported(head_dim, dtype) -> bool``
     Whether a kernel exists for the configuration (head_dim 64 or 128; fp16/bf16).
 
+``Launcher(block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order, order,
+computed, skipped, *, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+kv_layout="NHD", causal=True)(q, k_cache, v_cache, o, lse, *, sm_scale, log_delta)``
+    The kernel bound to a plan's tables and counters (``cosa.plan`` binds one per plan),
+    which it checks once; a call checks its operands and launches as ``osk_forward``.
+
 ``osk_forward(q, k_cache, v_cache, block_pages, kv_block_indptr, qo_lens,
 kv_lens, qtiles, tile_order, order, o, lse, computed, skipped, *, sm_scale,
 log_delta, kv_layout="NHD", causal=True) -> None``
@@ -123,6 +129,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -141,7 +148,7 @@ from .aot import load_or_compile  # noqa: E402
 from .plan_layout import (BLOCK_SIZE, MAX_SM_SCALE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED,  # noqa: E402
                           QT_REQUEST, QT_ROW_START, QT_ROWS)
 
-__all__ = ["supported", "osk_forward", "compile_config", "CONFIGS", "OSKForward"]
+__all__ = ["supported", "osk_forward", "Launcher", "compile_config", "CONFIGS", "OSKForward"]
 
 HEAD_DIMS = (64, 128)
 _DTYPE_NAMES = ("bfloat16", "float16")
@@ -1484,23 +1491,81 @@ def _to_cute(t):
     return view
 
 
-def _paged_operands(who: str, q, caches: dict, kv_layout: str, outputs: dict):
-    """The checks both launchers (``osk_forward``, ``kap.kap_order``) make before a launch, and
-    what they launch with: the ``caches`` ({name: tensor}) as [num_pages, page_size, Hkv, D]
-    views (HND permuted) and log2 of the page size.  q's dtype for every tensor; a contiguous
-    last dim, 16-byte aligned, and other strides in 16-byte steps (TMA boxes, 128-bit loads
-    and stores); a page size the plan accepts."""
+_WHO = "osk_forward"  # what OSK's errors start with, bound or not
+
+
+class _Operands(NamedTuple):
+    """What a launcher bound to a plan (``Launcher``, ``kap.Launcher``) takes of every call: q
+    [*, num_qo_heads, head_dim] and caches whose NHD views are [*, page_size, num_kv_heads,
+    head_dim] (HND caches are permuted), all of ``dtype``."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: object  # a torch dtype
+    kv_layout: str
+
+    @classmethod
+    def of(cls, who: str, q, k_cache, kv_layout: str) -> "_Operands":
+        """As ``q`` and ``k_cache`` have them: what the unbound launchers bind to."""
+        _check_kv_layout(who, kv_layout)
+        if q.dim() != 3 or k_cache.dim() != 4:
+            raise ValueError(f"{who}: q must be 3-D and k_cache 4-D, got shapes {list(q.shape)} and "
+                             f"{list(k_cache.shape)}")
+        _, page_size, num_kv_heads, _ = _nhd(k_cache, kv_layout).shape
+        return cls(q.shape[1], num_kv_heads, q.shape[2], page_size, q.dtype, kv_layout)
+
+    def check(self, who: str) -> None:
+        """Refuses what no kernel takes."""
+        _check_kv_layout(who, self.kv_layout)
+        if not supported(self.head_dim, self.dtype):
+            raise ValueError(f"{who}: no kernel for head_dim={self.head_dim}, dtype={self.dtype}")
+        if not 16 <= self.page_size <= 256 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"{who}: page_size must be a power of two in 16..256, got {self.page_size}")
+        if self.num_kv_heads < 1 or self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"{who}: the cache's {self.num_kv_heads} kv heads must divide q's "
+                             f"{self.num_qo_heads} heads")
+
+    @property
+    def page_shift(self) -> int:
+        return self.page_size.bit_length() - 1
+
+    @property
+    def pages_per_block(self) -> int:
+        return max(1, BLOCK_SIZE // self.page_size)
+
+    def views(self, who: str, q, caches: dict, outputs: dict) -> tuple:
+        """Checks one call's q, ``caches`` ({name: tensor}) and the ``outputs`` of q's dtype
+        (their shapes are the caller's); returns the caches' NHD views.  A contiguous last dim,
+        16-byte aligned, and other strides in 16-byte steps (TMA boxes, 128-bit loads and
+        stores) for every one."""
+        if q.dim() != 3 or tuple(q.shape[1:]) != (self.num_qo_heads, self.head_dim):
+            raise ValueError(f"{who}: q must have shape [*, {self.num_qo_heads}, {self.head_dim}], "
+                             f"got {list(q.shape)}")
+        pages = next(iter(caches.values())).shape[:1]  # the first cache's, which the others share
+        expected = [*pages, self.page_size, self.num_kv_heads, self.head_dim]
+        views = {}
+        for name, cache in caches.items():
+            view = _nhd(cache, self.kv_layout) if cache.dim() == 4 else cache
+            if list(view.shape) != expected:
+                raise ValueError(f"{who}: {name} must be {expected} (pages, page size, kv heads, head_dim) "
+                                 f"in the NHD view, got {list(view.shape)}")
+            views[name] = view
+        for name, t in {"q": q, **views, **outputs}.items():
+            if t.dtype != self.dtype:
+                raise TypeError(f"{who}: {name} must have dtype {self.dtype}, got {t.dtype}")
+            _check_vector_rows(who, name, t)
+        return tuple(views.values())
+
+
+def _check_kv_layout(who: str, kv_layout: str) -> None:
     if kv_layout not in ("NHD", "HND"):
         raise ValueError(f"{who}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-    views = {name: c.permute(0, 2, 1, 3) if kv_layout == "HND" else c for name, c in caches.items()}
-    page_size = next(iter(views.values())).shape[1]
-    if not 16 <= page_size <= 256 or page_size & (page_size - 1):
-        raise ValueError(f"{who}: page_size must be a power of two in 16..256, got {page_size}")
-    for name, t in {"q": q, **views, **outputs}.items():
-        if t.dtype != q.dtype:
-            raise TypeError(f"{who}: {name} must have dtype {q.dtype}, got {t.dtype}")
-        _check_vector_rows(who, name, t)
-    return tuple(views.values()), page_size.bit_length() - 1
+
+
+def _nhd(cache, kv_layout: str):
+    return cache.permute(0, 2, 1, 3) if kv_layout == "HND" else cache
 
 
 def _check_vector_rows(who: str, name: str, t) -> None:
@@ -1528,25 +1593,75 @@ def _check_shapes(who: str, expected: dict) -> None:
             raise ValueError(f"{who}: {name} must have a contiguous last dim, got strides {t.stride()}")
 
 
-def _plan_operands(who: str, q, caches, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
-    """What both launchers check of the plan tensors they share, against q, the cache views
-    (``_paged_operands``') and one another; returns {name: (tensor, dtype, shape)} for
-    ``_check_shapes``."""
+def _plan_tables(operands: _Operands, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
+    """The plan tables both launchers take, as ``_check_shapes`` checks them: {name: (tensor,
+    dtype, shape)}."""
     import torch
 
-    _, Hq, D = q.shape
-    Hkv = caches[0].shape[2]
-    for name, cache in zip(("k_cache", "v_cache"), caches):
-        if cache.shape != caches[0].shape or cache.shape[3] != D:
-            raise ValueError(f"{who}: {name} must be [{caches[0].shape[0]}, {caches[0].shape[1]}, {Hkv}, {D}] "
-                             f"(pages, page size, kv heads, q's head_dim), got {list(cache.shape)} in the NHD view")
-    if Hkv < 1 or Hq % Hkv:
-        raise ValueError(f"{who}: the cache's {Hkv} kv heads must divide q's {Hq} heads")
-    pages_per_block = max(1, BLOCK_SIZE // caches[0].shape[1])
     nq, batch, i32 = qtiles.shape[0], kv_lens.shape[0], torch.int32
-    return {"block_pages": (block_pages, i32, (None, pages_per_block)),
+    return {"block_pages": (block_pages, i32, (None, operands.pages_per_block)),
             "kv_block_indptr": (kv_block_indptr, i32, (batch + 1,)), "kv_lens": (kv_lens, i32, (batch,)),
-            "qtiles": (qtiles, i32, (nq, QT_COLUMNS)), "order": (order, i32, (nq, Hq, None))}
+            "qtiles": (qtiles, i32, (nq, QT_COLUMNS)), "order": (order, i32, (nq, operands.num_qo_heads, None))}
+
+
+class Launcher:
+    """The OSK kernel bound to one plan: the arguments of ``osk_forward`` that stay from call to
+    call (the plan's int32 tables, its ``computed`` and ``skipped`` counters, the operands'
+    extents) are checked once, here, and each call checks the rest and launches.  ``cosa.plan``
+    makes one per plan, so that an eager ``run`` does not re-check the plan (bench/NOTES.md,
+    session 37).  The tables' contents are trusted, as ``osk_forward`` trusts them."""
+
+    def __init__(self, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order, order, computed,
+                 skipped, *, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                 kv_layout: str = "NHD", causal: bool = True):
+        import torch
+
+        from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
+
+        self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
+        self.operands.check(_WHO)
+        nq, i32 = qtiles.shape[0], torch.int32
+        _check_shapes(_WHO, {
+            **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
+            "qo_lens": (qo_lens, i32, tuple(kv_lens.shape)), "tile_order": (tile_order, i32, (nq * num_qo_heads, 2)),
+            "computed": (computed, i32, (nq, num_qo_heads)), "skipped": (skipped, i32, (nq, num_qo_heads))})
+        tables = {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "qo_lens": qo_lens,
+                  "kv_lens": kv_lens, "qtiles": qtiles, "tile_order": tile_order, "order": order}
+        counters = {"computed": computed, "skipped": skipped}
+        check_apart(counters, tables, who=_WHO)
+        self.num_tiles = tile_order.shape[0]
+        if self.num_tiles and (order.shape[-1] == 0 or block_pages.shape[0] == 0):
+            raise ValueError(f"{_WHO}: {self.num_tiles} tiles but order has k_max={order.shape[-1]} and "
+                             f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
+        self.causal = causal
+        self._tensors = (*tables.values(), *counters.values())  # in the kernel's order, after lse
+        self._table_spans = tuple(byte_span(name, t) for name, t in tables.items())
+        self._counter_spans = tuple(byte_span(name, t) for name, t in counters.items())
+
+    def __call__(self, q, k_cache, v_cache, o, lse, *, sm_scale: float, log_delta: float) -> None:
+        import torch
+
+        from ..checks import check_apart
+
+        operands = self.operands
+        kv_k, kv_v = operands.views(_WHO, q, {"k_cache": k_cache, "v_cache": v_cache}, {"o": o})
+        _check_shapes(_WHO, {"o": (o, q.dtype, tuple(q.shape)),
+                             "lse": (lse, torch.float32, (q.shape[0], operands.num_qo_heads))})
+        check_apart({"o": o, "lse": lse}, {"q": q, "k_cache": k_cache, "v_cache": v_cache}, who=_WHO,
+                    checked_outputs=self._counter_spans, input_spans=self._table_spans)
+        if not 0 < sm_scale <= MAX_SM_SCALE:
+            raise ValueError(f"{_WHO}: sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), "
+                             f"got {sm_scale!r}")
+        if not -math.inf <= log_delta < math.inf:
+            raise ValueError(f"{_WHO}: log_delta must be ln(delta) for a finite delta >= 0 (-inf for 0), "
+                             f"got {log_delta!r}")
+        if self.num_tiles == 0:
+            return
+        name, D = _dtype_name(operands.dtype), operands.head_dim
+        (fn,), source = load_or_compile(("osk",), name, D, lambda: (compile_config(name, D),))
+        scalars = (float(sm_scale), float(log_delta), operands.page_shift,
+                   operands.num_qo_heads // operands.num_kv_heads, 1 if self.causal else 0, self.num_tiles)
+        _launch(fn, source, (q, kv_k, kv_v, o, lse, *self._tensors), scalars)
 
 
 def osk_forward(
@@ -1554,45 +1669,12 @@ def osk_forward(
     order, o, lse, computed, skipped, *, sm_scale: float, log_delta: float,
     kv_layout: str = "NHD", causal: bool = True,
 ) -> None:
-    """Run the OSK kernel (see the module docstring for the contract)."""
-    import torch
-
-    from ..checks import check_apart  # like torch, imported when a launch needs it
-
-    name = _dtype_name(q.dtype)
-    D = q.shape[-1]
-    if not supported(D, q.dtype):
-        raise ValueError(f"osk_forward: no kernel for head_dim={D}, dtype={q.dtype}")
-    (kv_k, kv_v), page_shift = _paged_operands("osk_forward", q, {"k_cache": k_cache, "v_cache": v_cache},
-                                               kv_layout, {"o": o})
-    expected = _plan_operands("osk_forward", q, (kv_k, kv_v), block_pages, kv_block_indptr, kv_lens, qtiles, order)
-    nq, (total_q, Hq, _) = qtiles.shape[0], q.shape
-    _check_shapes("osk_forward", {
-        **expected, "qo_lens": (qo_lens, torch.int32, tuple(kv_lens.shape)),
-        "tile_order": (tile_order, torch.int32, (nq * Hq, 2)), "o": (o, q.dtype, tuple(q.shape)),
-        "lse": (lse, torch.float32, (total_q, Hq)), "computed": (computed, torch.int32, (nq, Hq)),
-        "skipped": (skipped, torch.int32, (nq, Hq))})
-    # the plan's tables are trusted apart from the outputs, as their contents are trusted in range
-    check_apart({"o": o, "lse": lse, "computed": computed, "skipped": skipped},
-                {"q": q, "k_cache": k_cache, "v_cache": v_cache}, who="osk_forward")
-    if not 0 < sm_scale <= MAX_SM_SCALE:
-        raise ValueError(f"osk_forward: sm_scale must be in (0, {MAX_SM_SCALE:.4g}] (float32 logits), "
-                         f"got {sm_scale!r}")
-    if not -math.inf <= log_delta < math.inf:
-        raise ValueError(f"osk_forward: log_delta must be ln(delta) for a finite delta >= 0 (-inf for 0), "
-                         f"got {log_delta!r}")
-    num_tiles = tile_order.shape[0]
-    Hkv = kv_k.shape[2]
-    group = Hq // Hkv
-    if num_tiles == 0:
-        return
-    if order.shape[-1] == 0 or block_pages.shape[0] == 0:
-        raise ValueError(f"osk_forward: {num_tiles} tiles but order has k_max={order.shape[-1]} and "
-                         f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
-    (fn,), source = load_or_compile(("osk",), name, D, lambda: (compile_config(name, D),))
-    scalars = (float(sm_scale), float(log_delta), page_shift, int(group), 1 if causal else 0, int(num_tiles))
-    _launch(fn, source, (q, kv_k, kv_v, o, lse, block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles,
-                         tile_order, order, computed, skipped), scalars)
+    """Run the OSK kernel (see the module docstring for the contract): a ``Launcher`` bound
+    to these tables for one call."""
+    operands = _Operands.of(_WHO, q, k_cache, kv_layout)
+    launcher = Launcher(block_pages, kv_block_indptr, qo_lens, kv_lens, qtiles, tile_order, order, computed,
+                        skipped, causal=causal, **operands._asdict())
+    launcher(q, k_cache, v_cache, o, lse, sm_scale=sm_scale, log_delta=log_delta)
 
 
 def _launch(fn, source, tensors, scalars=()) -> None:

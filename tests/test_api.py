@@ -74,8 +74,8 @@ def test_a_gpu_other_than_hopper_gets_the_reference_with_a_warning(monkeypatch, 
 def test_hopper_gets_the_kernels(monkeypatch):
     from cosa.cute_kernels import kap, osk
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
-    assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is osk.osk_forward
-    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.kap_order
+    assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is osk.Launcher
+    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.Launcher
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)])

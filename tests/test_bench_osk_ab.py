@@ -99,3 +99,31 @@ def test_its_rows_are_bench_attentions_with_their_settings():
     settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))
     assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
     assert {COSA_D0, COSA_FORCED, COSA_SKIP_ALL} <= set(bench_osk_ab.ROWS)   # the skip-cost fit's three
+
+
+def test_a_version_runs_on_the_plan_s_tables(monkeypatch):
+    # run calls the plan's kernel as it calls osk.Launcher; bound passes that on to a version's
+    # osk_forward with the plan's tables, counters and layout
+    import dataclasses
+    import math
+
+    import cosa
+    from cosa.cute_kernels import aot, osk
+    launches = []
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
+    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): launches.append((tensors, scalars)))
+    page, kv_len = 16, random.randrange(1, 400)
+    pages = -(-kv_len // page)
+    plan = cosa.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+                     torch.randperm(pages, dtype=torch.int32), torch.tensor([(kv_len - 1) % page + 1], dtype=torch.int32),
+                     4, 2, 128, page, kv_layout="HND", delta=0.25)
+    q = torch.randn(kv_len, 4, 128).bfloat16()
+    cache = torch.randn(pages, 2, 2, page, 128).bfloat16()
+    out = cosa.run(dataclasses.replace(plan, kernel=bench_osk_ab.bound(osk.osk_forward, plan)), q, cache)
+    (tensors, scalars), = launches
+    expected = (q, cache[:, 0].transpose(1, 2), cache[:, 1].transpose(1, 2), out, plan.lse, plan.block_pages,
+                plan.kv_block_indptr, plan.qo_lens, plan.kv_lens, plan.qtiles, plan.tile_order, plan.order,
+                plan.computed, plan.skipped)
+    assert [(t.data_ptr(), t.shape, t.stride()) for t in tensors] == \
+        [(t.data_ptr(), t.shape, t.stride()) for t in expected]
+    assert scalars == (plan.sm_scale, math.log(0.25), 4, 2, 1, plan.tile_order.shape[0])

@@ -6,7 +6,8 @@ shapes and strides), exactly as ``osk_forward`` compiles them at runtime, so no 
 needed.  With apache-tvm-ffi installed the TVM-FFI host wrapper (the one used on the
 GPU) is compiled; otherwise the plain one (same device code).  The fake tensors are also
 checked against what the launchers pass through the plain C ABI, and ``osk_forward``'s
-argument checks, which run before anything is compiled, are exercised here too.
+argument checks, which run before anything is compiled, are exercised here too, bound to a
+plan (``osk.Launcher``, ``kap.Launcher``) and unbound.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ _SHARED_WORDS = torch.zeros(128 * 4 * 64)  # o's bytes, in which lse starts
     ({"tile_order": torch.zeros(4, 2)}, TypeError, r"tile_order must have dtype torch.int32"),
     ({"kv_block_indptr": torch.tensor([0], dtype=torch.int32)}, ValueError, r"kv_block_indptr must have shape \[2\]"),
     ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError,
-     r"k_cache must be \[8, 16, 2, 128\] \(pages, page size, kv heads, q's head_dim\), got \[8, 16, 2, 64\]"),
+     r"k_cache must be \[8, 16, 2, 128\] \(pages, page size, kv heads, head_dim\) in the NHD view, got "
+     r"\[8, 16, 2, 64\]"),
     ({"v_cache": torch.zeros(4, 16, 2, 128, dtype=torch.bfloat16)}, ValueError, r"v_cache must be \[8, 16, 2, 128\]"),
     ({"k_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16),
       "v_cache": torch.zeros(8, 16, 8, 128, dtype=torch.bfloat16)}, ValueError, r"8 kv heads must divide q's 4"),
@@ -297,3 +299,84 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
     kap.kap_order(**_kap_args())
     assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 7]
+
+
+def _osk_launcher(args: dict) -> osk.Launcher:
+    """``_forward_args``' tables and counters bound, as ``cosa.plan`` binds a plan's."""
+    return osk.Launcher(*(args[name] for name in ("block_pages", "kv_block_indptr", "qo_lens", "kv_lens", "qtiles",
+                                                  "tile_order", "order", "computed", "skipped")),
+                        num_qo_heads=4, num_kv_heads=2, head_dim=128, page_size=16, dtype=torch.bfloat16)
+
+
+def test_a_bound_launcher_checks_each_call_against_its_plan():
+    args = _forward_args()
+    launcher = _osk_launcher(args)
+    call = {name: args[name] for name in ("q", "k_cache", "v_cache", "o", "lse")}
+    for change, error, match in (
+            ({"q": torch.zeros(128, 8, 128, dtype=torch.bfloat16)}, ValueError,
+             r"osk_forward: q must have shape \[\*, 4, 128\], got \[128, 8, 128\]"),
+            ({"v_cache": torch.zeros(8, 32, 2, 128, dtype=torch.bfloat16)}, ValueError,
+             r"osk_forward: v_cache must be \[8, 16, 2, 128\] .* got \[8, 32, 2, 128\]"),
+            ({"q": torch.zeros(128, 4, 128, dtype=torch.float16)}, TypeError,
+             r"osk_forward: q must have dtype torch.bfloat16, got torch.float16")):
+        with pytest.raises(error, match=match):
+            launcher(**{**call, **change}, sm_scale=1.0, log_delta=-math.inf)
+
+
+def test_a_bound_launcher_keeps_each_call_apart_from_the_plan_s_memory():
+    # lse over one of the plan's tables, q under one of its counters: checked at each call
+    memory, q = torch.zeros(1024), torch.zeros(128, 4, 128, dtype=torch.bfloat16)
+    args = _forward_args(qtiles=memory[100:108].view(torch.int32).view(1, 8),
+                         computed=q.view(-1)[:8].view(torch.int32).view(1, 4))
+    launcher = _osk_launcher(args)
+    call = {name: args[name] for name in ("q", "k_cache", "v_cache", "o", "lse")}
+    with pytest.raises(ValueError, match=r"osk_forward: lse shares memory with qtiles"):
+        launcher(**{**call, "lse": memory[:512].view(128, 4)}, sm_scale=1.0, log_delta=-math.inf)
+    with pytest.raises(ValueError, match=r"osk_forward: computed shares memory with q"):
+        launcher(**{**call, "q": q}, sm_scale=1.0, log_delta=-math.inf)
+    with pytest.raises(ValueError, match=r"kap_order: kbar shares memory with q"):
+        kap.kap_order(**_kap_args(q=q, kbar=q.view(-1)[:512].view(torch.float32).view(1, 2, 128)))
+
+
+def test_a_launcher_refuses_outputs_in_the_plan_s_tables_when_bound():
+    order = torch.zeros(1, 4, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"osk_forward: computed shares memory with order"):
+        _osk_launcher(_forward_args(order=order, computed=order.view(-1)[:4].view(1, 4)))
+    qbar = torch.zeros(1, 4, 128)
+    with pytest.raises(ValueError, match=r"kap_order: qbar shares memory with qtiles"):
+        kap.kap_order(**_kap_args(qbar=qbar, qtiles=qbar.view(-1)[:8].view(torch.int32).view(1, 8)))
+
+
+def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
+    # what run launches: the plan's tensors, bound at plan time, and the call's q, cache and outputs
+    import cosa
+    launches = []
+    monkeypatch.setattr(api, "osk_kernel", lambda *config: osk.Launcher)
+    monkeypatch.setattr(api, "kap_kernel", lambda *config: kap.Launcher)
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
+    for module in (osk, kap):
+        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, scalars=(): launches.append(
+            (fn, tensors, scalars)))
+    page, lens = 16, (300, 77)
+    pages = [torch.randperm(40, dtype=torch.int32)[:n] for n in (-(-lens[0] // page), -(-lens[1] // page))]
+    indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
+    plan = cosa.plan(indptr, torch.tensor([0, len(pages[0]), len(pages[0]) + len(pages[1])], dtype=torch.int32),
+                     torch.cat(pages), torch.tensor([(n - 1) % page + 1 for n in lens], dtype=torch.int32),
+                     8, 2, 128, page, delta=0.5)
+    q = torch.randn(sum(lens), 8, 128).bfloat16()
+    cache = torch.randn(40, 2, page, 2, 128).bfloat16()
+    out, lse = torch.empty_like(q), torch.empty(sum(lens), 8)
+    cosa.run(plan, q, cache, out=out, lse=lse)
+    (pool, pool_tensors, pool_scalars), (rank, rank_tensors, _), (forward, tensors, scalars) = launches
+    assert (pool, rank, forward) == ("kap_pool", "kap_rank", "osk")
+    k, v = cache[:, 0], cache[:, 1]
+    for launched, expected in ((pool_tensors, (k, plan.block_pages, plan.kv_block_indptr, plan.kv_lens, plan.kbar)),
+                               (rank_tensors, (q, plan.qbar, plan.kbar, plan.rank_base, plan.qtiles,
+                                               plan.kv_block_indptr, plan.order)),
+                               (tensors, (q, k, v, out, lse, plan.block_pages, plan.kv_block_indptr, plan.qo_lens,
+                                          plan.kv_lens, plan.qtiles, plan.tile_order, plan.order, plan.computed,
+                                          plan.skipped))):
+        assert [(t.data_ptr(), t.shape, t.stride()) for t in launched] == \
+            [(t.data_ptr(), t.shape, t.stride()) for t in expected]
+    assert pool_scalars == (4,)
+    assert scalars == (plan.sm_scale, math.log(0.5), 4, 4, 1, plan.tile_order.shape[0])

@@ -73,7 +73,9 @@ class Plan:
 
     The fields record what ``plan`` was called with. ``delta``, ``sm_scale`` and the launcher
     ``kernel`` are read by each ``run``, so a ``dataclasses.replace`` of them takes effect
-    (``calibrate_delta`` replaces delta, ``bench/bench_osk_ab.py`` the kernel); the others
+    (``calibrate_delta`` replaces delta, ``bench/bench_osk_ab.py`` the kernel, with a callable
+    that takes ``(q, k_cache, v_cache, out, lse, *, sm_scale, log_delta)`` and launches on this
+    plan's tables, as ``osk.Launcher`` does); the others
     shaped the plan's tables (``budget``, ``force_local`` and ``force_sink`` the selection
     and ranking, ``causal`` the candidates, ``proxy`` whether the KAP kernel ranks), so
     change them through ``plan``."""
@@ -120,9 +122,11 @@ class Plan:
     # [num_kv_blocks, num_kv_heads, head_dim]; without rank_kernel they have no rows
     qbar: torch.Tensor
     kbar: torch.Tensor
-    # the OSK kernel's launcher, or None where run executes the exact reference
+    # the OSK kernel bound to this plan's tables (cute_kernels.osk.Launcher), or None where run
+    # executes the exact reference
     kernel: Callable | None
-    # the fused KAP launcher, or None where run ranks with the torch proxies
+    # the fused KAP kernels bound to them (cute_kernels.kap.Launcher), or None where run ranks
+    # with the torch proxies
     rank_kernel: Callable | None
     # with a workspace: its key in _workspace_writers, and this plan's token there
     workspace_key: tuple[str, int] | None = None
@@ -281,15 +285,13 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
                            causal=causal, budget=float(budget),
                            force_local=force_local, force_sink=force_sink)
     used_pages = host["kv_indices"][:host["kv_indptr"][-1]]
-    qtiles = tables["qtiles"]
     k_max = tables["k_max"]
-    num_qtiles = qtiles.shape[0]
+    num_qtiles = tables["qtiles"].shape[0]
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
 
-    kernel = osk_kernel(device, head_dim, q_data_type, kv_data_type)
-    rank_kernel = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type,
-                             tables["rank_base"].shape[1])
-    pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if rank_kernel else (0, 0)
+    osk_launcher = osk_kernel(device, head_dim, q_data_type, kv_data_type)
+    kap_launcher = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type, tables["rank_base"].shape[1])
+    pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if kap_launcher else (0, 0)
     order, computed, skipped, lse, qbar, kbar = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
         ((num_qtiles, num_qo_heads), torch.int32),
@@ -300,8 +302,19 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     skipped.fill_(-1)
     workspace_key = None if workspace is None else (str(device), workspace.data_ptr())
 
-    def to_device(array) -> torch.Tensor:
-        return torch.from_numpy(array).to(device)
+    on_device = {name: torch.from_numpy(tables[name]).to(device) for name in (
+        "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order", "rank_base")}
+    # the launchers check the tables and buffers once, bound to them; each run checks its operands
+    operands = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                    page_size=page_size, dtype=q_data_type, kv_layout=kv_layout)
+    kernel = rank_kernel = None
+    if osk_launcher:
+        kernel = osk_launcher(*(on_device[name] for name in (
+            "block_pages", "kv_block_indptr", "qo_lens", "kv_lens", "qtiles", "tile_order")),
+            order, computed, skipped, causal=causal, **operands)
+    if kap_launcher:
+        rank_kernel = kap_launcher(*(on_device[name] for name in (
+            "block_pages", "kv_block_indptr", "kv_lens", "qtiles", "rank_base")), qbar, kbar, order, **operands)
 
     new_plan = Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -315,11 +328,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         qtile_indptr_host=tuple(int(x) for x in qtile_indptr),
         min_num_pages=int(used_pages.max()) + 1 if used_pages.size else 0,
         # a copy, as block_pages is: the plan does not follow later edits of the caller's page table
-        k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True),
-        qo_lens=to_device(tables["qo_lens"]),
-        kv_lens=to_device(tables["kv_lens"]), kv_block_indptr=to_device(tables["kv_block_indptr"]),
-        block_pages=to_device(tables["block_pages"]), qtiles=to_device(qtiles),
-        tile_order=to_device(tables["tile_order"]), rank_base=to_device(tables["rank_base"]),
+        k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True), **on_device,
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
         kernel=kernel, rank_kernel=rank_kernel, workspace_key=workspace_key, token=next(_plan_tokens))
     _write_workspace(new_plan)
@@ -387,8 +396,7 @@ def _write_workspace(plan: Plan) -> None:
 
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if plan.rank_kernel is not None:
-        plan.rank_kernel(q, k_cache, plan.block_pages, plan.kv_block_indptr, plan.kv_lens, plan.qtiles,
-                         plan.rank_base, plan.qbar, plan.kbar, plan.order, kv_layout=plan.kv_layout)
+        plan.rank_kernel(q, k_cache)
         return
     for q_rows, qtile_rows, pages, kv_len in _requests(plan):
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
@@ -427,11 +435,8 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
         lse = torch.empty_like(plan.lse) if return_lse else plan.lse
     _rank(plan, q, k_cache)
     if plan.kernel is not None:
-        plan.kernel(q, k_cache, v_cache, plan.block_pages, plan.kv_block_indptr, plan.qo_lens,
-                    plan.kv_lens, plan.qtiles, plan.tile_order, plan.order, out, lse,
-                    plan.computed, plan.skipped, sm_scale=plan.sm_scale,
-                    log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf,
-                    kv_layout=plan.kv_layout, causal=plan.causal)
+        plan.kernel(q, k_cache, v_cache, out, lse, sm_scale=plan.sm_scale,
+                    log_delta=math.log(plan.delta) if plan.delta > 0 else -math.inf)
     else:
         for q_rows, qtile_rows, pages, kv_len in _requests(plan):
             keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
@@ -450,7 +455,8 @@ def _runs_kernels(device: torch.device) -> bool:
 
 def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype) -> Callable | None:
-    """The OSK kernel's launcher for this configuration, or None: no CUDA device, and with a
+    """The OSK kernel's ``Launcher`` (bound to a plan by ``plan``) for this configuration, or
+    None: no CUDA device, and with a
     warning (the reference is far slower) a GPU other than Hopper, no CuTe DSL installed, or
     dtypes the kernel lacks."""
     if device.type != "cuda":
@@ -471,12 +477,12 @@ def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                       f"q_data_type={q_data_type}, kv_data_type={kv_data_type}; run uses the exact reference",
                       stacklevel=3)
         return None
-    return osk.osk_forward
+    return osk.Launcher
 
 
 def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
-    """The fused KAP launcher (``cute_kernels/kap.py``), or None where ``run`` ranks with the
+    """The fused KAP kernels' ``Launcher`` (``cute_kernels/kap.py``), or None where ``run`` ranks with the
     torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_kernel`` warns), a
     configuration the kernels lack, or a request of more key blocks than their sort holds."""
     if proxy != "kap" or not _runs_kernels(device) or kv_data_type != q_data_type:
@@ -485,7 +491,7 @@ def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: tor
         from .cute_kernels import kap
     except ImportError:
         return None
-    return kap.kap_order if kap.supported(head_dim, q_data_type, num_key_blocks) else None
+    return kap.Launcher if kap.supported(head_dim, q_data_type, num_key_blocks) else None
 
 
 class CoSAPrefillWrapper:

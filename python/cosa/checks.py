@@ -62,18 +62,20 @@ def byte_span(name: str, x: torch.Tensor) -> tuple[str, torch.device, int, int]:
 
 
 def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor], who: str = "",
-                input_spans: tuple = ()) -> None:
+                checked_outputs: tuple = (), input_spans: tuple = ()) -> None:
     """Outputs written in parallel while the inputs are read: no two elements of one output may
     share an address, and no output's memory may meet another output's or an input's.  The
     latter is judged by the address ranges the tensors span, so views that interleave without
-    sharing elements are refused too.  ``input_spans``: more inputs, as ``byte_span`` gives
-    them (kept by an owner whose tensors never change); ``who`` prefixes the error (a
-    launcher's name)."""
+    sharing elements are refused too.  ``checked_outputs`` and ``input_spans``: more outputs
+    (whose own elements an earlier call checked) and more inputs, as ``byte_span`` gives them,
+    kept by an owner whose tensors never change (a plan, a launcher bound to one); ``who``
+    prefixes the error (a launcher's name)."""
     prefix = f"{who}: " if who else ""
     for name, x in outputs.items():
         _check_disjoint(prefix + name, x)
-    spans = [byte_span(name, x) for name, x in (*outputs.items(), *inputs.items())] + list(input_spans)
-    for i, (name, device, start, end) in enumerate(spans[:len(outputs)]):
+    output_spans = [byte_span(name, x) for name, x in outputs.items()] + list(checked_outputs)
+    spans = output_spans + [byte_span(name, x) for name, x in inputs.items()] + list(input_spans)
+    for i, (name, device, start, end) in enumerate(output_spans):
         for other, other_device, other_start, other_end in spans[i + 1:]:
             if start < other_end and other_start < end and device == other_device:
                 raise ValueError(f"{prefix}{name} shares memory with {other}: an output must not overlap "
