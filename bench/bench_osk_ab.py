@@ -11,7 +11,8 @@ Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.
 stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
 delta 0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel
 swapped for the version's ``osk_forward`` on the plan's tables (``bound``: every version takes
-them so, and pays the same host checks), so a row's time includes the proxy, as in
+them so; each call re-checks the plan, the same host work for both, which the default lengths
+hide under the GPU's), so a row's time includes the proxy, as in
 ``bench_attention.py``, and the skip-cost fit is the one that benchmark's target uses, each
 version's with its own block counts (the table shows the new version's). Where calibration cannot
 reach b2 on the input, that row is left out.

@@ -10,9 +10,9 @@ wrapper) and ``OUT_DIR/<prefix>.o`` (position-independent host code with the cub
 embedded), ``prefix`` from ``aot_prefix``.  The objects are linked into libcosa.  It needs
 the CuTe DSL only: no GPU and no torch.
 
-Load: when the installed libcosa carries the kernels, ``osk_forward`` and ``kap.kap_order``
-launch them instead of compiling on first use, through libcosa's own launchers
-(``csrc/kernels.hpp``, bound in ``cosa._C``), so that the C API and Python run the very same
+Load: when the installed libcosa carries the kernels, ``osk.Launcher`` and ``kap.Launcher``
+take them from it instead of compiling on first use, and launch them through libcosa's own
+launchers (``csrc/kernels.hpp``, bound in ``cosa._C``), so that the C API and Python run the very same
 binaries with the same host code, at a third of the host time the DSL's generic argument
 packing took (bench/NOTES.md, session 36).  Otherwise (a default build,
 ``COSA_DISABLE_AOT=1``) the kernels are compiled as before.  ``kernel_source`` says which,

@@ -67,23 +67,23 @@ def test_a_gpu_other_than_hopper_gets_the_reference_with_a_warning(monkeypatch, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability)
     sm = "sm_%d%d" % capability
     with pytest.warns(UserWarning, match=rf"needs a Hopper GPU \(sm_90\); cuda:1 is {sm}, so run uses"):
-        assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is None
-    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
+        assert api.osk_launcher(CUDA, D, torch.bfloat16, torch.bfloat16) is None
+    assert api.kap_launcher(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
 
 
 def test_hopper_gets_the_kernels(monkeypatch):
     from cosa.cute_kernels import kap, osk
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
-    assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is osk.Launcher
-    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.Launcher
+    assert api.osk_launcher(CUDA, D, torch.bfloat16, torch.bfloat16) is osk.Launcher
+    assert api.kap_launcher(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is kap.Launcher
 
 
 @pytest.mark.parametrize("q_dtype,kv_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float16)])
 def test_hopper_with_dtypes_the_kernel_lacks_gets_the_reference_with_a_warning(monkeypatch, q_dtype, kv_dtype):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: api.HOPPER)
     with pytest.warns(UserWarning, match=rf"not q_data_type={q_dtype}, kv_data_type={kv_dtype}; run uses the exact"):
-        assert api.osk_kernel(CUDA, D, q_dtype, kv_dtype) is None
-    assert api.kap_kernel(CUDA, "kap", D, q_dtype, kv_dtype, 64) is None
+        assert api.osk_launcher(CUDA, D, q_dtype, kv_dtype) is None
+    assert api.kap_launcher(CUDA, "kap", D, q_dtype, kv_dtype, 64) is None
 
 
 def test_without_the_cute_dsl_the_reference_runs_with_a_warning(monkeypatch):
@@ -92,8 +92,8 @@ def test_without_the_cute_dsl_the_reference_runs_with_a_warning(monkeypatch):
         monkeypatch.delattr(cosa.cute_kernels, name, raising=False)
         monkeypatch.setitem(sys.modules, f"cosa.cute_kernels.{name}", None)
     with pytest.warns(UserWarning, match="the OSK kernel is unavailable .*; run uses the exact reference"):
-        assert api.osk_kernel(CUDA, D, torch.bfloat16, torch.bfloat16) is None
-    assert api.kap_kernel(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
+        assert api.osk_launcher(CUDA, D, torch.bfloat16, torch.bfloat16) is None
+    assert api.kap_launcher(CUDA, "kap", D, torch.bfloat16, torch.bfloat16, 64) is None
 
 
 @pytest.mark.gpu

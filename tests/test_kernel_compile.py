@@ -351,8 +351,8 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
     # what run launches: the plan's tensors, bound at plan time, and the call's q, cache and outputs
     import cosa
     launches = []
-    monkeypatch.setattr(api, "osk_kernel", lambda *config: osk.Launcher)
-    monkeypatch.setattr(api, "kap_kernel", lambda *config: kap.Launcher)
+    monkeypatch.setattr(api, "osk_launcher", lambda *config: osk.Launcher)
+    monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
     monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
     for module in (osk, kap):
         monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, scalars=(): launches.append(

@@ -75,10 +75,10 @@ class Plan:
     ``kernel`` are read by each ``run``, so a ``dataclasses.replace`` of them takes effect
     (``calibrate_delta`` replaces delta, ``bench/bench_osk_ab.py`` the kernel, with a callable
     that takes ``(q, k_cache, v_cache, out, lse, *, sm_scale, log_delta)`` and launches on this
-    plan's tables, as ``osk.Launcher`` does); the others
-    shaped the plan's tables (``budget``, ``force_local`` and ``force_sink`` the selection
-    and ranking, ``causal`` the candidates, ``proxy`` whether the KAP kernel ranks), so
-    change them through ``plan``."""
+    plan's tables, as ``osk.Launcher`` does); the others shaped the plan's tables
+    (``budget``, ``force_local`` and ``force_sink`` the selection and ranking, ``causal`` the
+    candidates, ``proxy`` whether the KAP kernel ranks) or are bound into its launchers with
+    them (``kv_layout``, ``causal``, the tables themselves), so change them through ``plan``."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -289,9 +289,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     num_qtiles = tables["qtiles"].shape[0]
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
 
-    osk_launcher = osk_kernel(device, head_dim, q_data_type, kv_data_type)
-    kap_launcher = kap_kernel(device, proxy, head_dim, q_data_type, kv_data_type, tables["rank_base"].shape[1])
-    pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if kap_launcher else (0, 0)
+    bind_osk = osk_launcher(device, head_dim, q_data_type, kv_data_type)
+    bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, tables["rank_base"].shape[1])
+    pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if bind_kap else (0, 0)
     order, computed, skipped, lse, qbar, kbar = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
         ((num_qtiles, num_qo_heads), torch.int32),
@@ -308,12 +308,12 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     operands = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     page_size=page_size, dtype=q_data_type, kv_layout=kv_layout)
     kernel = rank_kernel = None
-    if osk_launcher:
-        kernel = osk_launcher(*(on_device[name] for name in (
+    if bind_osk:
+        kernel = bind_osk(*(on_device[name] for name in (
             "block_pages", "kv_block_indptr", "qo_lens", "kv_lens", "qtiles", "tile_order")),
             order, computed, skipped, causal=causal, **operands)
-    if kap_launcher:
-        rank_kernel = kap_launcher(*(on_device[name] for name in (
+    if bind_kap:
+        rank_kernel = bind_kap(*(on_device[name] for name in (
             "block_pages", "kv_block_indptr", "kv_lens", "qtiles", "rank_base")), qbar, kbar, order, **operands)
 
     new_plan = Plan(
@@ -453,7 +453,7 @@ def _runs_kernels(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == HOPPER
 
 
-def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
+def osk_launcher(device: torch.device, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype) -> Callable | None:
     """The OSK kernel's ``Launcher`` (bound to a plan by ``plan``) for this configuration, or
     None: no CUDA device, and with a
@@ -480,10 +480,10 @@ def osk_kernel(device: torch.device, head_dim: int, q_data_type: torch.dtype,
     return osk.Launcher
 
 
-def kap_kernel(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
+def kap_launcher(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
                kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
     """The fused KAP kernels' ``Launcher`` (``cute_kernels/kap.py``), or None where ``run`` ranks with the
-    torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_kernel`` warns), a
+    torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_launcher`` warns), a
     configuration the kernels lack, or a request of more key blocks than their sort holds."""
     if proxy != "kap" or not _runs_kernels(device) or kv_data_type != q_data_type:
         return None

@@ -66,17 +66,25 @@ def check_apart(outputs: dict[str, torch.Tensor], inputs: dict[str, torch.Tensor
     """Outputs written in parallel while the inputs are read: no two elements of one output may
     share an address, and no output's memory may meet another output's or an input's.  The
     latter is judged by the address ranges the tensors span, so views that interleave without
-    sharing elements are refused too.  ``checked_outputs`` and ``input_spans``: more outputs
-    (whose own elements an earlier call checked) and more inputs, as ``byte_span`` gives them,
-    kept by an owner whose tensors never change (a plan, a launcher bound to one); ``who``
-    prefixes the error (a launcher's name)."""
+    sharing elements are refused too.  ``input_spans``: more inputs, and ``checked_outputs``:
+    more outputs, checked already against each other and those inputs; both as ``byte_span``
+    gives them, kept by an owner whose tensors never change (a plan, a launcher bound to one).
+    ``who`` prefixes the error (a launcher's name)."""
     prefix = f"{who}: " if who else ""
     for name, x in outputs.items():
         _check_disjoint(prefix + name, x)
-    output_spans = [byte_span(name, x) for name, x in outputs.items()] + list(checked_outputs)
-    spans = output_spans + [byte_span(name, x) for name, x in inputs.items()] + list(input_spans)
-    for i, (name, device, start, end) in enumerate(output_spans):
-        for other, other_device, other_start, other_end in spans[i + 1:]:
-            if start < other_end and other_start < end and device == other_device:
-                raise ValueError(f"{prefix}{name} shares memory with {other}: an output must not overlap "
-                                 "another output or an input")
+    output_spans = [byte_span(name, x) for name, x in outputs.items()]
+    call_inputs = [byte_span(name, x) for name, x in inputs.items()]
+    spans = output_spans + list(checked_outputs) + call_inputs + list(input_spans)
+    for i, span in enumerate(output_spans):
+        _refuse_overlap(prefix, span, spans[i + 1:])
+    for span in checked_outputs:
+        _refuse_overlap(prefix, span, call_inputs)
+
+
+def _refuse_overlap(prefix: str, output: tuple, others: list) -> None:
+    name, device, start, end = output
+    for other, other_device, other_start, other_end in others:
+        if start < other_end and other_start < end and device == other_device:
+            raise ValueError(f"{prefix}{name} shares memory with {other}: an output must not overlap "
+                             "another output or an input")
