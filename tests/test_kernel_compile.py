@@ -380,3 +380,18 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
             [(t.data_ptr(), t.shape, t.stride()) for t in expected]
     assert pool_scalars == (4,)
     assert scalars == (plan.sm_scale, math.log(0.5), 4, 4, 1, plan.tile_order.shape[0])
+
+
+@pytest.mark.parametrize("workspace", [None, torch.zeros(1 << 16, dtype=torch.uint8)[3:]])
+def test_a_plan_without_query_rows_binds_the_launchers_and_launches_nothing(monkeypatch, workspace):
+    # empty tables and buffers, carved from a workspace or not, pass the bind; run writes nothing
+    import cosa
+    monkeypatch.setattr(api, "osk_launcher", lambda *config: osk.Launcher)
+    monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: pytest.fail("a kernel was asked for"))
+    i32 = torch.int32
+    plan = cosa.plan(torch.tensor([0, 0, 0], dtype=i32), torch.tensor([0, 0, 1], dtype=i32), torch.tensor([0], dtype=i32),
+                     torch.tensor([0, 5], dtype=i32), 4, 2, 128, 16, workspace=workspace)
+    assert plan.kernel is not None and plan.rank_kernel is not None and plan.k_max == 0
+    o = cosa.run(plan, torch.zeros(0, 4, 128, dtype=torch.bfloat16), torch.zeros(1, 2, 16, 2, 128, dtype=torch.bfloat16))
+    assert o.shape == (0, 4, 128)
