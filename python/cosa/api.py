@@ -454,11 +454,10 @@ def _runs_kernels(device: torch.device) -> bool:
 
 
 def osk_launcher(device: torch.device, head_dim: int, q_data_type: torch.dtype,
-               kv_data_type: torch.dtype) -> Callable | None:
-    """The OSK kernel's ``Launcher`` (bound to a plan by ``plan``) for this configuration, or
-    None: no CUDA device, and with a
-    warning (the reference is far slower) a GPU other than Hopper, no CuTe DSL installed, or
-    dtypes the kernel lacks."""
+                 kv_data_type: torch.dtype) -> Callable | None:
+    """The OSK kernel's ``Launcher`` for this configuration (``plan`` binds it to its tables),
+    or None: no CUDA device, and with a warning (the reference is far slower) a GPU other than
+    Hopper, no CuTe DSL installed, or dtypes the kernel lacks."""
     if device.type != "cuda":
         return None
     if not _runs_kernels(device):
@@ -481,10 +480,11 @@ def osk_launcher(device: torch.device, head_dim: int, q_data_type: torch.dtype,
 
 
 def kap_launcher(device: torch.device, proxy: str, head_dim: int, q_data_type: torch.dtype,
-               kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
-    """The fused KAP kernels' ``Launcher`` (``cute_kernels/kap.py``), or None where ``run`` ranks with the
-    torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_launcher`` warns), a
-    configuration the kernels lack, or a request of more key blocks than their sort holds."""
+                 kv_data_type: torch.dtype, num_key_blocks: int) -> Callable | None:
+    """The fused KAP kernels' ``Launcher`` (``cute_kernels/kap.py``), or None where ``run``
+    ranks with the torch proxies: another proxy, no Hopper GPU or no CuTe DSL (``osk_launcher``
+    warns), a configuration the kernels lack, or a request of more key blocks than their sort
+    holds."""
     if proxy != "kap" or not _runs_kernels(device) or kv_data_type != q_data_type:
         return None
     try:
