@@ -54,8 +54,9 @@ class KernelSource(NamedTuple):
 def load_kernel(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | None, KernelSource]:
     """libcosa's launcher of ``kernel`` for the configuration (None: compile it) and its source.
 
-    The launcher is called as ``launcher(tensors, scalars, stream)``: the kernel's torch tensors
-    and scalars in its order, and the address of a CUDA stream of the current device.
+    The launcher is called as ``launcher(words, scalars, stream)``: the kernel's torch tensors in
+    its order as ``tensor_words`` packs them, its scalars, and the address of a CUDA stream of
+    the current device.
     """
     switch = os.environ.get(DISABLE_AOT, "")
     if switch not in ("", "0"):  # read on every call, so a test can flip it
@@ -87,16 +88,19 @@ def _load(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | No
         return None, KernelSource("jit", f"{LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)")
     launch = getattr(_C, f"launch_{kernel}")
 
-    def launcher(tensors, scalars, stream: int) -> None:
-        launch(dtype_name, head_dim, [word for t in tensors for word in launch_words(t)], *scalars, stream)
+    def launcher(words: list[int], scalars, stream: int) -> None:
+        launch(dtype_name, head_dim, words, *scalars, stream)
     return launcher, KernelSource("aot", str(LIBCOSA))
 
 
-def launch_words(t) -> tuple[int, ...]:
-    """A torch tensor as libcosa's launchers take it (``cosa._C``): its address, four extents and
-    the strides of all but its last dim, 0 past its dims."""
-    padding = (0,) * (4 - t.dim())
-    return (t.data_ptr(), *t.shape, *padding, *t.stride()[:-1], *padding)
+def tensor_words(tensors) -> list[int]:
+    """Torch tensors as libcosa's launchers take them (``cosa._C``), eight words each: the
+    address, four extents and the strides of all but the last dim, 0 past the tensor's dims."""
+    words = []
+    for t in tensors:
+        padding = (0,) * (4 - t.dim())
+        words += (t.data_ptr(), *t.shape, *padding, *t.stride()[:-1], *padding)
+    return words
 
 
 def main(out_dir: str) -> None:

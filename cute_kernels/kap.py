@@ -79,7 +79,7 @@ import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
 from .osk import (CONFIGS, _HAVE_TVM_FFI, _Operands, _check_shapes, _check_vector_rows, _cutlass_dtype,
-                  _dtype_name, _fake_tensor, _launch, _plan_tables, _row_offset)
+                  _dtype_name, _fake_tensor, _launch, _BoundTensors, _plan_tables, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_or_compile
 from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
@@ -468,8 +468,8 @@ class Launcher:
         check_apart(outputs, {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "kv_lens": kv_lens,
                               "qtiles": qtiles, "rank_base": rank_base}, who=_WHO)
         self.k_max = order.shape[-1]
-        self._pool_tensors = (block_pages, kv_block_indptr, kv_lens, kbar)
-        self._rank_tensors = (qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
+        self._pool_bound = _BoundTensors(block_pages, kv_block_indptr, kv_lens, kbar)
+        self._rank_bound = _BoundTensors(qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
         self._output_spans = tuple(byte_span(name, t) for name, t in outputs.items())
 
     def __call__(self, q, k_cache) -> None:
@@ -481,8 +481,8 @@ class Launcher:
             return
         name, D = _dtype_name(self.operands.dtype), self.operands.head_dim
         (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
-        _launch(pool, source, (k, *self._pool_tensors), (self.operands.page_shift,))
-        _launch(rank, source, (q, *self._rank_tensors))
+        _launch(pool, source, (k,), self._pool_bound, (self.operands.page_shift,))
+        _launch(rank, source, (q,), self._rank_bound)
 
 
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,

@@ -123,6 +123,8 @@ was built with them (``COSA_AOT_KERNELS``), loaded from it instead (``aot.py``).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import math
 import os
@@ -144,7 +146,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup  # noqa: E402
 from cutlass.experimental.primitives import nvvm_wrapper as nvvm_x  # noqa: E402
 from cutlass.tensor_utils import LayoutEnum  # noqa: E402
 
-from .aot import load_or_compile  # noqa: E402
+from .aot import load_or_compile, tensor_words  # noqa: E402
 from .plan_layout import (BLOCK_SIZE, MAX_SM_SCALE, QT_COLUMNS, QT_INDEX, QT_NUM_SELECTED,  # noqa: E402
                           QT_REQUEST, QT_ROW_START, QT_ROWS)
 
@@ -1634,7 +1636,7 @@ class Launcher:
             raise ValueError(f"{_WHO}: {self.num_tiles} tiles but order has k_max={order.shape[-1]} and "
                              f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
         self.causal = causal
-        self._tensors = (*tables.values(), *counters.values())  # in the kernel's order, after lse
+        self._bound = _BoundTensors(*tables.values(), *counters.values())  # in the kernel's order, after lse
         self._table_spans = tuple(byte_span(name, t) for name, t in tables.items())
         self._counter_spans = tuple(byte_span(name, t) for name, t in counters.items())
 
@@ -1661,7 +1663,7 @@ class Launcher:
         (fn,), source = load_or_compile(("osk",), name, D, lambda: (compile_config(name, D),))
         scalars = (float(sm_scale), float(log_delta), operands.page_shift,
                    operands.num_qo_heads // operands.num_kv_heads, 1 if self.causal else 0, self.num_tiles)
-        _launch(fn, source, (q, kv_k, kv_v, o, lse, *self._tensors), scalars)
+        _launch(fn, source, (q, kv_k, kv_v, o, lse), self._bound, scalars)
 
 
 def osk_forward(
@@ -1677,22 +1679,37 @@ def osk_forward(
     launcher(q, k_cache, v_cache, o, lse, sm_scale=sm_scale, log_delta=log_delta)
 
 
-def _launch(fn, source, tensors, scalars=()) -> None:
-    """Calls a kernel of ``source`` (``aot.KernelSource``) on the current torch stream of the
-    tensors' device, which need not be the current device: a compiled kernel through TVM-FFI
-    (torch tensors; it switches to their device and takes its stream) where it was compiled
-    with it, else through the DSL's plain C ABI (``_to_cute``'s descriptors and an explicit
-    stream); libcosa's through its launcher (``aot.load_kernel``).  The last two launch on the
-    current device."""
+class _BoundTensors:
+    """What a bound launcher passes one kernel on every call, after the call's own tensors: the
+    plan's tables and buffers, which never move (the launchers take their byte spans once,
+    too).  libcosa's launchers take them as words, packed on first use: packing every tensor on
+    every call was a sixth of an eager AOT run's host time (bench/NOTES.md, session 37)."""
+
+    def __init__(self, *tensors):
+        self.tensors = tensors
+
+    @functools.cached_property
+    def words(self) -> list[int]:
+        return tensor_words(self.tensors)
+
+
+def _launch(fn, source, tensors, bound: _BoundTensors, scalars=()) -> None:
+    """Calls a kernel of ``source`` (``aot.KernelSource``) on ``tensors`` then ``bound``'s, on
+    the current torch stream of the tensors' device, which need not be the current device: a
+    compiled kernel through TVM-FFI (torch tensors; it switches to their device and takes its
+    stream) where it was compiled with it, else through the DSL's plain C ABI (``_to_cute``'s
+    descriptors and an explicit stream); libcosa's through its launcher (``aot.load_kernel``).
+    The last two launch on the current device, switched to the tensors' only where it is
+    another (entering a device and reading torch's stream cost 10 us a launch, session 37)."""
     import torch
 
     if _HAVE_TVM_FFI and source.kind == "jit":
-        fn(*tensors, *scalars)
+        fn(*tensors, *bound.tensors, *scalars)
         return
     device = tensors[0].device
-    with torch.cuda.device(device):
+    with torch.cuda.device(device) if device.index != torch.cuda.current_device() else contextlib.nullcontext():
         stream = torch.cuda.current_stream(device).cuda_stream
         if source.kind == "aot":
-            fn(tensors, scalars, stream)
+            fn(tensor_words(tensors) + bound.words, scalars, stream)
         else:
-            fn(*(_to_cute(t) for t in tensors), *scalars, cuda.CUstream(stream))
+            fn(*(_to_cute(t) for t in (*tensors, *bound.tensors)), *scalars, cuda.CUstream(stream))

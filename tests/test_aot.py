@@ -119,25 +119,28 @@ def test_loader_reports_a_libcosa_built_without_kernels(loader, monkeypatch):
 
 
 @pytest.mark.parametrize("kernel,scalars", [("osk", (0.125, -2.5, 4, 4, 1, 7)), ("kap_pool", (3,)), ("kap_rank", ())])
-def test_loaded_kernel_passes_libcosa_each_tensors_address_extents_and_strides(loader, monkeypatch, kernel, scalars):
-    """What the launcher hands cosa._C: the configuration, then per tensor eight words (address,
-    four extents, three strides: all but the last dim's, 0 past the tensor's dims), the
-    scalars and the stream."""
+def test_loaded_kernel_passes_libcosa_its_words_scalars_and_stream(loader, monkeypatch, kernel, scalars):
     calls = []
     monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
     monkeypatch.setattr(cosa._C, f"launch_{kernel}", lambda *args: calls.append(args))
+    launcher, source = loader.load_kernel(kernel, "float16", 64)
+    assert source == KernelSource("aot", str(aot.LIBCOSA))
+    words, stream = [random.randrange(2**40) for _ in range(16)], random.randrange(1, 2**48)
+    launcher(words, scalars, stream)
+    assert calls == [("float16", 64, words, *scalars, stream)]
+
+
+def test_tensor_words_are_each_tensors_address_extents_and_strides():
+    """Eight words a tensor, as cosa._C takes them: the address, four extents and three strides
+    (all but the last dim's), 0 past the tensor's dims."""
     tensors = [torch.empty(5, 6, 7, 8)[:, 1:5:2], torch.empty(9, 8, dtype=torch.int32), torch.empty(3),
                torch.empty(4, 5, 6, dtype=torch.bfloat16).transpose(0, 1)]
     random.shuffle(tensors)
-    launcher, source = loader.load_kernel(kernel, "float16", 64)
-    assert source == KernelSource("aot", str(aot.LIBCOSA))
-    stream = random.randrange(1, 2**48)
-    launcher(tensors, scalars, stream)
     words = []
     for t in tensors:
         padding = [0] * (4 - t.dim())
         words += [t.data_ptr(), *t.shape, *padding, *t.stride()[:-1], *padding]
-    assert calls == [("float16", 64, words, *scalars, stream)]
+    assert aot.tensor_words(tensors) == words
 
 
 @pytest.mark.parametrize("kernel,count,scalars", [("osk", 14, (0.125, 0.0, 4, 4, 1, 1)), ("kap_pool", 5, (4,)),

@@ -111,7 +111,8 @@ def test_a_version_runs_on_the_plan_s_tables(monkeypatch):
     from cosa.cute_kernels import aot, osk
     launches = []
     monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
-    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): launches.append((tensors, scalars)))
+    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, bound, scalars=(): launches.append(
+        ((*tensors, *bound.tensors), scalars)))
     page, kv_len = 16, random.randrange(1, 400)
     pages = -(-kv_len // page)
     plan = cosa.plan(torch.tensor([0, kv_len], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),

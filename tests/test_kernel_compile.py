@@ -288,7 +288,8 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     calls = []
     source = aot.KernelSource("aot", "a stand-in")
     monkeypatch.setattr(aot, "load_kernel", lambda *config: calls.append(config) or (object(), source))
-    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
+    monkeypatch.setattr(osk, "_launch", lambda fn, source, tensors, bound, scalars=(): calls.append(
+        len(tensors) + len(bound.tensors)))
     # the extremes of sm_scale and log_delta pass: the kernel handles them
     osk.osk_forward(**_forward_args(), sm_scale=plan_layout.MAX_SM_SCALE, log_delta=-math.inf)
     assert calls == [("osk", "bfloat16", 128), 14]
@@ -296,7 +297,8 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     osk.osk_forward(**_forward_args(), sm_scale=1e-30, log_delta=math.log(1e30))
     assert calls == [("osk", "bfloat16", 128), 14]
     calls.clear()
-    monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, scalars=(): calls.append(len(tensors)))
+    monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, bound, scalars=(): calls.append(
+        len(tensors) + len(bound.tensors)))
     kap.kap_order(**_kap_args())
     assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 7]
 
@@ -355,8 +357,8 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
     monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
     monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
     for module in (osk, kap):
-        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, scalars=(): launches.append(
-            (fn, tensors, scalars)))
+        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, bound, scalars=(): launches.append(
+            (fn, (*tensors, *bound.tensors), scalars)))
     page, lens = 16, (300, 77)
     pages = [torch.randperm(40, dtype=torch.int32)[:n] for n in (-(-lens[0] // page), -(-lens[1] // page))]
     indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
