@@ -1700,7 +1700,9 @@ def _launch(fn, source, tensors, bound: _BoundTensors, scalars=()) -> None:
     stream) where it was compiled with it, else through the DSL's plain C ABI (``_to_cute``'s
     descriptors and an explicit stream); libcosa's through its launcher (``aot.load_kernel``).
     The last two launch on the current device, switched to the tensors' only where it is
-    another (entering a device and reading torch's stream cost 10 us a launch, session 37)."""
+    another.  Entering the device took 3.4 us a launch and ``torch.cuda.current_stream``'s
+    Stream object 5.2 us, so the stream's address is read as torch's own generated code reads
+    it (bench/NOTES.md, session 38)."""
     import torch
 
     if _HAVE_TVM_FFI and source.kind == "jit":
@@ -1708,7 +1710,7 @@ def _launch(fn, source, tensors, bound: _BoundTensors, scalars=()) -> None:
         return
     device = tensors[0].device
     with torch.cuda.device(device) if device.index != torch.cuda.current_device() else contextlib.nullcontext():
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = torch._C._cuda_getCurrentRawStream(device.index)
         if source.kind == "aot":
             fn(tensor_words(tensors) + bound.words, scalars, stream)
         else:
