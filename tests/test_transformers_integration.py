@@ -88,6 +88,49 @@ def test_padded_batches_fall_back_to_dense(model_and_ids):
                                rtol=1e-9, atol=1e-9)
 
 
+def tiny_llama_of_head_dim(head_dim, seed):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=4 * head_dim, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=head_dim, attn_implementation="sdpa")
+    return float64_norms(transformers.LlamaForCausalLM(config).eval().double())
+
+
+@pytest.mark.parametrize("head_dim", [64, 32])   # 32: CoSA has no kernel, dense SDPA runs the step
+@torch.no_grad()
+def test_a_chunk_after_a_cached_prefix_equals_sdpa(head_dim):
+    """Chunked prefill: 20 new queries after 300 cached keys attend to all of them, causally
+    from the bottom right, whichever implementation runs the step."""
+    seed = torch.seed() % 2**31
+    model = tiny_llama_of_head_dim(head_dim, seed)
+    ids = torch.randint(512, (1, 320), generator=torch.Generator().manual_seed(seed))
+    cosa_hf.register(budget=1.0, delta=0.0)
+    logits = {}
+    for implementation in ("sdpa", "cosa"):
+        model.set_attn_implementation(implementation)
+        cache = transformers.DynamicCache(config=model.config)
+        model(ids[:, :300], past_key_values=cache)
+        logits[implementation] = model(ids[:, 300:], past_key_values=cache).logits
+    torch.testing.assert_close(logits["cosa"], logits["sdpa"], rtol=1e-9, atol=1e-9)
+    assert hasattr(model.model.layers[0].self_attn, "cosa_plan") == (head_dim == 64)
+
+
+@torch.no_grad()
+def test_a_static_cache_s_empty_slots_stay_out_of_attention(model_and_ids):
+    """A static cache hands attention all max_cache_len slots, most of them empty: prefill and
+    decode attend to the filled ones only, as SDPA does."""
+    model, ids = model_and_ids
+    cosa_hf.register(budget=1.0, delta=0.0)
+    logits = {}
+    for implementation in ("sdpa", "cosa"):
+        model.set_attn_implementation(implementation)
+        cache = transformers.StaticCache(config=model.config, max_cache_len=512)
+        prefill = model(ids[:1, :300], past_key_values=cache).logits
+        logits[implementation] = (prefill, model(ids[:1, 300:301], past_key_values=cache).logits)
+    for got, expected in zip(logits["cosa"], logits["sdpa"]):
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
+
+
 @torch.no_grad()
 def test_capture_qkv_records_what_attention_read(model_and_ids):
     model, ids = model_and_ids

@@ -7,8 +7,8 @@
 Prefill steps (more than one query row, no padding, plain causal masking or, for a
 module that is not causal, none, a head_dim CoSA has) run :func:`cosa.run` on a paged
 copy of the layer's K/V: on the GPU the OSK kernel, on the CPU the exact reference. Everything else (decode steps,
-padded batches, sliding windows, other mask overlays, other head sizes) runs dense
-SDPA. Attention sinks (``s_aux``, as gpt-oss passes them), which neither CoSA nor
+padded batches, static caches, sliding windows, other mask overlays, other head sizes) runs
+dense SDPA, with CoSA's bottom-right causal mask where a chunk follows cached keys. Attention sinks (``s_aux``, as gpt-oss passes them), which neither CoSA nor
 SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
 for its statistics.
 
@@ -47,14 +47,18 @@ def register(**plan_options) -> None:
 
 
 def _causal_mask_or_none(**kwargs):
-    """No mask where plain bottom-right causal attention is meant (CoSA's own
-    semantics, any q_len <= kv_len); SDPA's mask otherwise, which sends the
-    step to dense attention."""
+    """No mask where CoSA's own semantics are meant: plain causal attention of the step's
+    queries, the last q_length of the kv_length keys, with no padding.  transformers places
+    the queries at q_offset, which is that place only where the cache holds exactly the keys
+    seen so far (not a static cache, whose kv_length counts its empty slots).  Otherwise
+    SDPA's mask, always as a tensor (SDPA's own None would mean its top-left is_causal), which
+    sends the step to dense attention."""
     padding = kwargs.get("attention_mask")
     if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None
-            and not kwargs.get("kv_offset") and (padding is None or bool(padding.all()))):
+            and not kwargs.get("kv_offset") and int(kwargs.get("q_offset", 0)) + kwargs["q_length"] == kwargs["kv_length"]
+            and (padding is None or bool(padding.all()))):
         return None
-    return sdpa_mask(**kwargs)
+    return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
 
 
 def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -72,6 +76,10 @@ def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     if (q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None
             or head_dim not in SUPPORTED_HEAD_DIMS):
+        if attention_mask is None and causal and 1 < q_len < kv_len:
+            # SDPA's is_causal places the queries top-left (transformers then drops the keys
+            # past q_len): CoSA's bottom-right causal mask, spelled out
+            attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     cache_key = (batch, q_len, kv_len, causal, query.dtype, key.dtype, query.device,
