@@ -157,9 +157,11 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
     assert (first.stats().computed >= 1).all()
     with expect(RuntimeError, superseded):
         second.stats()
-    cosa.order_mask(second, batch.q, batch.cache)  # writes the shared order mask too
-    with expect(RuntimeError, superseded):
-        first.stats()
+    counts = first.stats().computed
+    cosa.order_mask(second, batch.q, batch.cache)  # writes the shared order mask, not the counts
+    assert torch.equal(first.stats().computed, counts)
+    with expect(RuntimeError, superseded):   # they are first's, not second's
+        second.stats()
     private = cosa.plan(*plan_args(batch), budget=0.5)  # no workspace: its own buffers
     torch.testing.assert_close(cosa.run(private, batch.q, batch.cache), sparse, rtol=0, atol=0)
     cosa.run(first, batch.q, batch.cache)
@@ -352,6 +354,16 @@ def test_run_argument_checks(batch):
                  lse=raw[out_bytes - 64:out_bytes - 64 + rows * HQ * 4].view(torch.float32).view(rows, HQ))
     with expect(ValueError, "lse shares memory with plan.lse"):
         cosa.run(plan, batch.q, batch.cache, lse=plan.lse)
+    # inputs in the plan's memory: the reference path writes the plan's buffers while it reads them
+    workspace = torch.zeros(1 << 20, dtype=torch.uint8)
+    in_workspace = cosa.plan(*plan_args(batch), workspace=workspace)
+    q_bytes = batch.q.numel() * batch.q.element_size()
+    q_there = workspace[:q_bytes].view(batch.q.dtype).view(batch.q.shape)
+    with expect(ValueError, "shares memory with q"):
+        cosa.run(in_workspace, q_there, batch.cache)
+    cache_there = workspace[:batch.cache.numel() * batch.cache.element_size()].view(batch.cache.dtype)
+    with expect(ValueError, "shares memory with paged_kv_cache's K"):
+        cosa.run(in_workspace, batch.q, cache_there.view(batch.cache.shape))
     # delta and sm_scale may be replaced on a plan; run checks them as plan does
     with expect(ValueError, "plan.delta must be a finite float >= 0, got nan"):
         cosa.run(dataclasses.replace(plan, delta=math.nan), batch.q, batch.cache)

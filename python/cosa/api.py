@@ -33,8 +33,8 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
 # Plans cut from one workspace share its buffers. Per workspace (device, first byte): the
-# token of the plan that last wrote them, by being made or run, so that stats() refuses to
-# read another plan's numbers.
+# token of the plan whose counts they hold (the last plan made, which marks them unwritten, or
+# run), so that stats() refuses to read another plan's numbers.
 _workspace_writers: dict[tuple[str, int], int] = {}
 _plan_tokens = itertools.count(1)
 
@@ -371,9 +371,13 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
                 or lse.dtype != torch.float32 or lse.device != q.device:
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
     outputs = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
-    if outputs:
-        check_apart(outputs, {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v},
-                    input_spans=plan_.tensor_spans)
+    inputs = {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v}
+    if plan_.kernel is None or plan_.rank_kernel is None:
+        # torch code writes the plan's buffers (order; on the reference path lse and the counts
+        # too) while it reads the inputs; the bound launchers check their own writes
+        check_apart(outputs, inputs, checked_outputs=plan_.tensor_spans)
+    elif outputs:
+        check_apart(outputs, inputs, input_spans=plan_.tensor_spans)
     return k, v
 
 
@@ -409,8 +413,7 @@ def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
     ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
     visiting order, -1 padded."""
     k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
-    _rank(plan, q, k_cache)
-    _write_workspace(plan)
+    _rank(plan, q, k_cache)  # the counts stay the last run's: the workspace's writer stays its plan
     return plan.order
 
 
@@ -425,7 +428,8 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
 
     ``out`` and ``lse`` are written instead of new tensors: with both given (or
     ``return_lse=False``) run allocates nothing, its scratch being the plan's.
-    They must not overlap each other, q, the cache or the plan's buffers.
+    They must not overlap each other, q, the cache or the plan's memory, nor may q and
+    the cache overlap the plan's memory.
     """
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     if out is None:
