@@ -147,11 +147,12 @@ def test_proxies_disagree_somewhere_and_full_budget_is_dense_for_all():
     assert not torch.equal(orders["kap"], orders["vertical_slash"])
 
 
-def test_plan_rejects_an_unknown_proxy():
+@pytest.mark.parametrize("proxy", ["no_such_proxy", ["kap"]])   # a list is not even hashable
+def test_plan_rejects_an_unknown_proxy(proxy):
     batch = make_batch([10], [10], HQ, HKV, D, PAGE)
     with pytest.raises(ValueError, match="proxy must be one of"):
         cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                  HQ, HKV, D, PAGE, proxy="no_such_proxy")
+                  HQ, HKV, D, PAGE, proxy=proxy)
 
 
 def test_xattention_refuses_a_stride_that_does_not_divide_the_block():

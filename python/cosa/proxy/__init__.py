@@ -36,7 +36,7 @@ PROXIES = {
 
 
 def check_proxy(proxy) -> str:
-    if proxy not in PROXIES:
+    if not isinstance(proxy, str) or proxy not in PROXIES:
         raise ValueError(f"proxy must be one of {tuple(PROXIES)}, got {proxy!r}")
     return proxy
 
