@@ -310,7 +310,7 @@ BAD_PLAN_ARGS = {
     "kv_indptr huge": (dict(kv_indptr=[0, 8, 24, 2**31 - 1]), "kv_indices must have at least kv_indptr[3]="),
     "kv_indices short": (dict(kv_indices=list(range(23))), "kv_indices must have at least kv_indptr[3]=24"),
     "kv_indices negative": (dict(kv_indices=[-3] + list(range(1, 24))),
-                            "kv_indices[0]=-3 is out of range [0, num_pages=24)"),
+                            "kv_indices[0]=-3 is negative; page ids are >= 0"),
     "kv_indices too large": (dict(kv_indices=list(range(23)) + [24]),
                              "kv_indices[23]=24 is out of range [0, num_pages=24)"),
     "kv_last_page_len size": (dict(kv_last_page_len=[16, 16]), "kv_last_page_len must have B = 3 entries"),
