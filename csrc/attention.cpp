@@ -11,6 +11,8 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "c_api.hpp"
 #include "kernels.hpp"
@@ -65,6 +67,7 @@ struct cosa_plan {
     // at a word offset below, 256-byte aligned. The KAP arrays (rank_base, int64; the means
     // qbar and kbar, float; order) are there only where kap_ranks.
     int32_t* words = nullptr;
+    int64_t num_words = 0;
     int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
             tile_order = 0, rank_base = 0, lse = 0, computed = 0, skipped = 0, qbar = 0, kbar = 0,
             order = 0;
@@ -124,6 +127,83 @@ void check_disjoint(const int64_t* strides, int64_t tokens, int64_t heads, int64
                    ? std::numeric_limits<int64_t>::max()
                    : span + dim.stride * (dim.extent - 1);
     }
+}
+
+// The bytes [first, end) an array's elements lie in, empty for no elements: `extents` with the
+// last dim contiguous and `strides` (elements) for the others.  An end past the address space
+// saturates, which can only make an overlap more likely to be reported.
+struct Span {
+    const char* name;
+    std::uintptr_t first = 0, end = 0;
+};
+
+Span span_of(const char* name, const void* data, int64_t element_size, std::initializer_list<int64_t> extents,
+             std::initializer_list<int64_t> strides) {
+    constexpr auto kMax = std::numeric_limits<std::uintptr_t>::max();
+    const auto first = reinterpret_cast<std::uintptr_t>(data);
+    std::uintptr_t last = 0;  // the last element's offset, in elements
+    auto stride = strides.begin();
+    for (const int64_t extent : extents) {
+        if (extent <= 0) return {name};
+        const auto step = static_cast<std::uintptr_t>(stride != strides.end() ? *stride++ : 1);
+        const auto reach = static_cast<std::uintptr_t>(extent - 1);
+        last = (step != 0 && reach > (kMax - last) / step) ? kMax : last + reach * step;
+    }
+    const auto size = static_cast<std::uintptr_t>(element_size);
+    const std::uintptr_t bytes = last >= kMax / size - 1 ? kMax : (last + 1) * size;
+    return {name, first, bytes > kMax - first ? kMax : first + bytes};
+}
+
+// The kernels write `outputs` while they read `inputs`: no output may meet another or an input
+// (cosa.checks.check_apart, the same rule for Python's run).
+void check_apart(const std::vector<Span>& outputs, const std::vector<Span>& inputs) {
+    for (std::size_t i = 0; i < outputs.size(); ++i) {
+        const Span& out = outputs[i];
+        auto refuse_if_met = [&](const Span& other) {
+            if (out.first < other.end && other.first < out.end)
+                invalid(std::string(out.name) + " shares memory with " + other.name +
+                        ": an output must not overlap another output or an input");
+        };
+        for (std::size_t j = i + 1; j < outputs.size(); ++j) refuse_if_met(outputs[j]);
+        for (const Span& in : inputs) refuse_if_met(in);
+    }
+}
+
+void check_aligned(const void* data, std::size_t alignment, const char* name) {
+    if (reinterpret_cast<std::uintptr_t>(data) % alignment != 0)
+        invalid(std::string(name) + " must be " + std::to_string(alignment) + "-byte aligned");
+}
+
+// What cosa_run reads and writes, before any of it is touched: q, the cache and o as the
+// kernels take them (16-byte vectors), the optional arrays aligned, and no output meeting
+// another or an input.
+void check_run_operands(const cosa_plan& plan, const cosa_run_args& args) {
+    const cosa::Plan& p = plan.remap.plan;
+    check_operand(args.q, args.q_strides, 2, "q");
+    check_operand(args.k_cache, args.k_strides, 3, "k_cache");
+    check_operand(args.v_cache, args.v_strides, 3, "v_cache");
+    check_operand(args.o, args.o_strides, 2, "o");
+    const int64_t total_q = plan.total_q, hq = p.num_qo_heads, d = plan.head_dim, nq = p.num_qtiles(),
+                  k_max = p.k_max, page = plan.page_size, hkv = plan.num_kv_heads, pages = plan.num_pages;
+    check_disjoint(args.o_strides, total_q, hq, d, "o");
+    // the optional arrays' 4-byte elements, as the kernels were compiled for them
+    for (const auto& [data, name] : {std::pair<const void*, const char*>{args.order, "order"},
+                                     {args.lse, "lse"}, {args.computed, "computed"}, {args.skipped, "skipped"}})
+        check_aligned(data, 4, name);
+    // the plan's memory is written too: its scratch (order, means, and lse and the counts by default)
+    std::vector<Span> outputs{span_of("o", args.o, 2, {total_q, hq, d}, {args.o_strides[0], args.o_strides[1]}),
+                              span_of("the plan's memory", plan.words, 4, {plan.num_words}, {})};
+    if (args.lse != nullptr) outputs.push_back(span_of("lse", args.lse, 4, {total_q, hq}, {hq}));
+    if (args.computed != nullptr) outputs.push_back(span_of("computed", args.computed, 4, {nq, hq}, {hq}));
+    if (args.skipped != nullptr) outputs.push_back(span_of("skipped", args.skipped, 4, {nq, hq}, {hq}));
+    std::vector<Span> inputs{
+        span_of("q", args.q, 2, {total_q, hq, d}, {args.q_strides[0], args.q_strides[1]}),
+        span_of("k_cache", args.k_cache, 2, {pages, page, hkv, d},
+                {args.k_strides[0], args.k_strides[1], args.k_strides[2]}),
+        span_of("v_cache", args.v_cache, 2, {pages, page, hkv, d},
+                {args.v_strides[0], args.v_strides[1], args.v_strides[2]})};
+    if (args.order != nullptr) inputs.push_back(span_of("order", args.order, 4, {nq, hq, k_max}, {hq * k_max, k_max}));
+    check_apart(outputs, inputs);
 }
 
 }  // namespace
@@ -353,6 +433,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
             carve(plan->kbar, {host.num_kv_blocks(), plan->num_kv_heads, plan->head_dim});
             carve(plan->order, {host.order_size()});
         }
+        plan->num_words = at;
         cosa::check_cuda(cudaGetDevice(&plan->device), "cudaGetDevice");
         cosa::check_cuda(cudaMalloc(reinterpret_cast<void**>(&plan->words),
                                     static_cast<std::size_t>(std::max<int64_t>(at, 1)) * sizeof(int32_t)),
@@ -385,13 +466,9 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
     return guarded([&] {
         require(plan, "plan");
         require(args, "args");
-        check_operand(args->q, args->q_strides, 2, "q");
-        check_operand(args->k_cache, args->k_strides, 3, "k_cache");
-        check_operand(args->v_cache, args->v_strides, 3, "v_cache");
-        check_operand(args->o, args->o_strides, 2, "o");
         const cosa::Plan& p = plan->remap.plan;
-        check_disjoint(args->o_strides, plan->total_q, p.num_qo_heads, plan->head_dim, "o");
-        if (p.num_tiles() == 0) return;  // no query rows: nothing to write
+        if (p.num_tiles() == 0) return;  // no query rows: nothing to read or write (empty tensors may be NULL)
+        check_run_operands(*plan, *args);
         if (args->order == nullptr && !kap_ranks(p))
             invalid("order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
                     " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +

@@ -443,6 +443,8 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
         o = torch.empty_like(q)
         cache = torch.zeros(tokens // 128, 2, 128, 2, 128, dtype=torch.bfloat16, device="cuda")
         k, v = cache[:, 0], cache[:, 1]
+        lse, counts, order = (torch.zeros(n, dtype=dtype, device="cuda") for n, dtype in (
+            (tokens * 4, torch.float32), (tokens, torch.int32), (tokens * 4, torch.int32)))
         args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
                         None, o.data_ptr(), o.stride()[:2], None, None, None)
         cases = {
@@ -451,6 +453,11 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
             "k_cache strides must be positive multiples of 8, got stride[1]=4": {"k_strides": (k.stride(0), 4, 128)},
             "o must not be NULL": {"o": None},
             f"o strides {{512, 8}} make its [{tokens}, 4, 128] elements overlap": {"o_strides": (512, 8)},
+            "lse must be 4-byte aligned": {"lse": lse.data_ptr() + 2},
+            "o shares memory with q: an output must not overlap another output or an input": {"o": q.data_ptr()},
+            "o shares memory with lse": {"lse": o.data_ptr() + o.numel()},   # o's second half
+            "computed shares memory with skipped": {"computed": counts.data_ptr(), "skipped": counts.data_ptr()},
+            "computed shares memory with order": {"order": order.data_ptr(), "computed": order.data_ptr() + 4},
         }
         for message, changes in cases.items():
             bad = _RunArgs.from_buffer_copy(args)
@@ -458,5 +465,19 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
                 setattr(bad, name, value)
             assert c_api.lib.cosa_run(plan, ctypes.byref(bad), None) == _INVALID_ARGUMENT, message
             assert c_api.error().startswith(message)
+    finally:
+        c_api.lib.cosa_plan_destroy(plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_run_without_query_rows_reads_and_writes_nothing(c_api):
+    # an empty batch's tensors may be NULL (an empty CUDA tensor's data_ptr() is 0)
+    args = c_api.plan_args(1000)
+    c_api.page_table[0][1] = 0   # no query rows: qo_indptr [0, 0]
+    status, plan = c_api.create(args)
+    assert status == 0, c_api.error()
+    try:
+        assert c_api.lib.cosa_run(plan, ctypes.byref(_RunArgs()), None) == 0, c_api.error()
     finally:
         c_api.lib.cosa_plan_destroy(plan)
