@@ -212,6 +212,16 @@ def test_a_head_dim_cosa_lacks_runs_dense_sdpa():
     assert not hasattr(model.model.layers[0].self_attn, "cosa_plan"), "no layer planned CoSA"
 
 
+def test_register_checks_its_options_before_any_forward():
+    cosa_hf.register(budget=0.5, delta=0.1)
+    for options, error, match in (({"budget": 2.0}, ValueError, r"budget must be in \(0, 1\], got 2"),
+                                  ({"proxy": "none"}, ValueError, "proxy must be one of"),
+                                  ({"causal": False}, TypeError, r"register: causal cannot be set for every layer")):
+        with pytest.raises(error, match=match):
+            cosa_hf.register(**options)
+    assert cosa_hf._options == {"budget": 0.5, "delta": 0.1}, "a refused call keeps the options"
+
+
 @torch.no_grad()
 def test_attention_sinks_raise():
     """gpt-oss passes its per-head sink logits as s_aux; dropping them would change every output."""

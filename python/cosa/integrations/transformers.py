@@ -32,13 +32,19 @@ from ..paged import to_pages, uniform_page_table
 NAME = "cosa"
 _CAPTURE_NAME = "cosa_capture"
 _options: dict = {}                 # plan options set by register()
+# What register passes on to cosa.plan; the layer's shapes, dtypes, causality and scale are the model's
+OPTIONS = ("budget", "delta", "proxy", "force_local", "force_sink")
 _captured: list | None = None       # (q, k, v) per layer while capture_qkv runs
 
 
 def register(**plan_options) -> None:
-    """Registers ``"cosa"`` with transformers; ``plan_options`` (``budget``,
-    ``delta``, ``proxy``, ``force_local``, ``force_sink``) go to every
-    :func:`cosa.plan`. Calling it again replaces the options."""
+    """Registers ``"cosa"`` with transformers; ``plan_options`` (``OPTIONS``) go to every
+    :func:`cosa.plan`, and are checked here, as a one-token plan takes them, rather than at
+    the first forward. Calling it again replaces the options."""
+    unknown = sorted(set(plan_options) - set(OPTIONS))
+    if unknown:
+        raise TypeError(f"register: {', '.join(unknown)} cannot be set for every layer; it takes {OPTIONS}")
+    plan(*uniform_page_table(1, 1, 1, BLOCK, "cpu"), 1, 1, SUPPORTED_HEAD_DIMS[0], BLOCK, **plan_options)
     _options.clear()
     _options.update(plan_options)
     for name, forward in ((NAME, cosa_attention_forward), (_CAPTURE_NAME, _capture_attention_forward)):
