@@ -6,10 +6,11 @@
 
 Prefill steps (more than one query row, no padding, plain causal masking or, for a
 module that is not causal, none, a head_dim CoSA has) run :func:`cosa.run` on a paged
-copy of the layer's K/V: on the GPU the OSK kernel, on the CPU the exact reference. Everything else (decode steps,
-padded batches, static caches, sliding windows, other mask overlays, other head sizes) runs
-dense SDPA, with CoSA's bottom-right causal mask where a chunk follows cached keys. Attention sinks (``s_aux``, as gpt-oss passes them), which neither CoSA nor
-SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
+copy of the layer's K/V: on the GPU the OSK kernel, on the CPU the exact reference.
+Everything else (decode steps, padded batches, static caches, sliding windows, other mask
+overlays, other head sizes) runs dense SDPA, with CoSA's bottom-right causal mask where a
+chunk follows cached keys. Attention sinks (``s_aux``, as gpt-oss passes them), which
+neither CoSA nor SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
 for its statistics.
 
 :func:`capture_qkv` records the post-RoPE queries, keys and values of every
@@ -60,8 +61,9 @@ def _causal_mask_or_none(**kwargs):
     SDPA's mask, always as a tensor (SDPA's own None would mean its top-left is_causal), which
     sends the step to dense attention."""
     padding = kwargs.get("attention_mask")
+    queries_end_at_the_last_key = int(kwargs.get("q_offset", 0)) + kwargs["q_length"] == kwargs["kv_length"]
     if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None
-            and not kwargs.get("kv_offset") and int(kwargs.get("q_offset", 0)) + kwargs["q_length"] == kwargs["kv_length"]
+            and not kwargs.get("kv_offset") and queries_end_at_the_last_key
             and (padding is None or bool(padding.all()))):
         return None
     return sdpa_mask(**{**kwargs, "allow_is_causal_skip": False})
