@@ -956,26 +956,37 @@ class OSKForward:
     @cute.jit
     def _last_turn(self, walk: TileWalk, t: TileRows, tOrP, tOrP_alt, computes_last, computed,
                    stage2: cutlass.Constexpr):
-        """The turns' end, past the last block: its PV (P in tOrP for an odd number of blocks,
-        else in tOrP_alt) unless the tile skips it (``stage2``: group 0 reads that decision
-        here), and V freed.  Returns the computed count."""
-        num_sel = walk.num_sel
-        v_last = self._v_state(num_sel - 1)
+        """The turns' end, past the last block: a turn for its PV alone.  Returns the computed
+        count."""
         self._sched_wait(walk.wg)
+        return self._close_turns(walk, t, walk.num_sel - 1, computes_last, computed, stage2, tOrP, tOrP_alt)
+
+    @cute.jit
+    def _close_turns(self, walk: TileWalk, t: TileRows, b, computes_b, computed, stage2: cutlass.Constexpr,
+                     tOrP, tOrP_alt=None):
+        """The turns' last turn, after the caller's wait for it (and the QK it issues there, if
+        any): PV of block b unless the tile skips it (``stage2``: group 0 reads that decision
+        here), the turn handed on, every GEMM waited for, and V(b-1) and V(b) freed.  b's P is
+        in tOrP where b is even, else in tOrP_alt (None where b is known to be even).  Returns
+        the computed count."""
+        v_last = self._v_state(b)
         if const_expr(stage2):
-            if walk.wg == 0 and num_sel >= 2:
-                computes_last, computed = self._decided(t, num_sel - 1, walk, computed)
+            if walk.wg == 0 and b >= 1:
+                computes_b, computed = self._decided(t, b, walk, computed)
         walk.pipe_v.consumer_wait(v_last)
-        if computes_last:
-            if num_sel % 2 == 1:
+        if computes_b:
+            if const_expr(tOrP_alt is None):
                 self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_last.index)
             else:
-                self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_alt, walk.tOrVt, v_last.index)
+                if b % 2 == 0:
+                    self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_last.index)
+                else:
+                    self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP_alt, walk.tOrVt, v_last.index)
         if walk.wg == 0:  # group 1's last wait needs it; group 0 has no wait left
             self._sched_arrive(walk.wg)
         warpgroup.wait_group(0)
-        if num_sel > 1:
-            walk.pipe_v.consumer_release(self._v_state(num_sel - 2))
+        if b >= 1:
+            walk.pipe_v.consumer_release(self._v_state(b - 1))
         walk.pipe_v.consumer_release(v_last)
         return computed
 
@@ -985,8 +996,8 @@ class OSKForward:
         """Stage 2 from block E = ``first_vote`` on, after the turns (``jstart_prev``: block
         E-1's first key, ``computes_prev``: the decision on it).  The switch keeps the tensor
         cores busy: block E's QK goes in the last turn, in the vote loop's two halves, with
-        PV(E-1) if the tile computes block E-1 (its P is in rP: E is odd).  Then the vote loop
-        from E, S(E) done, no PV pending.  Returns the computed count."""
+        PV(E-1) if the tile computes block E-1 (its P is in rP: E is odd; ``_close_turns``).
+        Then the vote loop from E, S(E) done, no PV pending.  Returns the computed count."""
         acc_S = cute.make_rmem_tensor(walk.s_shape, Float32)
         acc_lo = cute.make_tensor(acc_S.iterator, halves.layout)
         acc_hi = cute.make_tensor(acc_S.iterator + cute.size(halves.layout), halves.layout)
@@ -996,18 +1007,7 @@ class OSKForward:
         self._sched_wait(walk.wg)
         self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_lo, kst.index, acc_next)
         self._issue_qk(halves.tiled_mma, halves.tSrQ, halves.tSrK_hi, kst.index, acc_hi)
-        if walk.wg == 0 and first_vote > 1:
-            computes_prev, computed = self._decided(t, first_vote - 1, walk, computed)
-        v_prev = self._v_state(first_vote - 1)
-        walk.pipe_v.consumer_wait(v_prev)
-        if computes_prev:
-            self._issue_pv(walk.tiled_mma_pv, walk.acc_O, tOrP, walk.tOrVt, v_prev.index)
-        if walk.wg == 0:
-            self._sched_arrive(walk.wg)
-        warpgroup.wait_group(0)
-        if first_vote > 1:
-            walk.pipe_v.consumer_release(self._v_state(first_vote - 2))
-        walk.pipe_v.consumer_release(v_prev)
+        computed = self._close_turns(walk, t, first_vote - 1, computes_prev, computed, True, tOrP)
         acc_lo.store(acc_next.load())
         # The vote holds the groups together on skipped blocks.  The vote on block j is posted
         # to the V producer, which loads V only for computed blocks; PV of the last computed
