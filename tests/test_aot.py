@@ -305,6 +305,8 @@ class _CApi:
         self.lib.cosa_plan_create.argtypes = [ctypes.POINTER(_PlanArgs), ctypes.POINTER(ctypes.c_void_p)]
         self.lib.cosa_run.argtypes = [ctypes.c_void_p, ctypes.POINTER(_RunArgs), ctypes.c_void_p]
         self.lib.cosa_plan_destroy.argtypes = [ctypes.c_void_p]
+        self.lib.cosa_plan_remap.argtypes = [ctypes.c_void_p]
+        self.lib.cosa_plan_remap.restype = ctypes.c_void_p
         self.lib.cosa_has_kernels.restype = ctypes.c_bool
         self.lib.cosa_remap_plan_create.argtypes = [ctypes.POINTER(_RemapArgs), ctypes.POINTER(ctypes.c_void_p)]
         self.lib.cosa_remap_plan_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -443,8 +445,11 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
         o = torch.empty_like(q)
         cache = torch.zeros(tokens // 128, 2, 128, 2, 128, dtype=torch.bfloat16, device="cuda")
         k, v = cache[:, 0], cache[:, 1]
+        sizes = _RemapPlanSizes()
+        assert c_api.lib.cosa_remap_plan_info(c_api.lib.cosa_plan_remap(plan), ctypes.byref(sizes)) == 0
         lse, counts, order = (torch.zeros(n, dtype=dtype, device="cuda") for n, dtype in (
-            (tokens * 4, torch.float32), (tokens, torch.int32), (tokens * 4, torch.int32)))
+            (tokens * 4, torch.float32), (tokens, torch.int32),
+            (sizes.num_qtiles * sizes.num_qo_heads * sizes.k_max, torch.int32)))   # the plan's order mask
         args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
                         None, o.data_ptr(), o.stride()[:2], None, None, None)
         cases = {
@@ -481,3 +486,45 @@ def test_run_without_query_rows_reads_and_writes_nothing(c_api):
         assert c_api.lib.cosa_run(plan, ctypes.byref(_RunArgs()), None) == 0, c_api.error()
     finally:
         c_api.lib.cosa_plan_destroy(plan)
+
+
+# Run in a fresh process, so that cosa_run loads its kernels' modules inside the capture (they
+# load on first use): the first cosa_run is captured in a CUDA graph under torch's global
+# capture mode, replayed, and must equal an eager run on the same inputs, written over NaN.
+_FIRST_RUN_IN_A_GRAPH = """
+import ctypes, sys
+from pathlib import Path
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_aot import _CApi, _RunArgs
+
+c_api, tokens = _CApi(Path(sys.argv[2])), 1000
+status, plan = c_api.create(c_api.plan_args(tokens))   # budget 0.25: KAP's kernels, then OSK's
+assert status == 0, c_api.error()
+q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
+cache = torch.randn(-(-tokens // 128), 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
+k, v = cache[:, 0], cache[:, 1]
+
+def run(o):
+    args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
+                    None, o.data_ptr(), o.stride()[:2], None, None, None)
+    status = c_api.lib.cosa_run(plan, ctypes.byref(args), torch.cuda.current_stream().cuda_stream)
+    assert status == 0, c_api.error()
+
+replayed, eager = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    run(replayed)
+graph.replay()
+run(eager)
+torch.cuda.synchronize()
+assert not eager.isnan().any()
+torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
+c_api.lib.cosa_plan_destroy(plan)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_first_run_can_be_captured_in_a_cuda_graph(site):
+    _run(sys.executable, "-c", _FIRST_RUN_IN_A_GRAPH, Path(__file__).parent, _libcosa(site))

@@ -267,10 +267,12 @@ typedef struct cosa_run_args {
 
 /*
  * Enqueues the kernels on stream (a cudaStream_t; NULL is the legacy default
- * stream): KAP's two when order is NULL, then OSK. No allocation and no host
- * sync, so it may be captured in a CUDA graph (examples/cpp replays one on new
- * data). Runs sharing a plan's scratch (NULL order/lse/computed/skipped) must
- * not overlap. Host-side checks only: bad device pointers are not detected.
+ * stream): KAP's two when order is NULL, then OSK. No host sync, and no
+ * allocation but the kernels' load by a dtype and head_dim's first call in
+ * the process; any call, a first one too, may be captured in a CUDA graph
+ * (examples/cpp replays one on new data). Runs sharing a plan's scratch (NULL order, lse, computed,
+ * skipped) must not overlap. Host-side checks only: bad device pointers are
+ * not detected.
  */
 COSA_API cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* stream);
 
