@@ -46,7 +46,7 @@ void check_cuda(cudaError_t err, const char* what) {
 namespace {
 
 // Key blocks of the longest request the KAP kernels rank (cute_kernels/kap.py's MAX_KEY_BLOCKS).
-constexpr int64_t kKapMaxKeyBlocks = 4096;
+constexpr int64_t kKapMaxKeyBlocks = 16384;
 
 // Whether cosa_run can compute the plan's order mask itself: KAP ranks every request.
 bool kap_ranks(const cosa::Plan& plan) { return plan.max_request_blocks() <= kKapMaxKeyBlocks; }

@@ -59,11 +59,12 @@ plan until this grid has completed):
 A block mean (``BlockMean``) is summed in fp32 from 16-byte loads, a row per
 ``head_dim / 8`` threads, the row groups' partial sums added up in shared memory.
 
-Limit: the keys of one pass fill at most ``MAX_KEY_BLOCKS`` int64 slots (32 KB of
-shared memory; with the rest, 44 KB a CTA, so that with 64 registers a thread four fit
-an SM and an 8K-token batch of tiles is resident at once), so a request may have at most
-``MAX_KEY_BLOCKS`` key blocks (512K tokens); the heads of a group are ranked in passes of
-``min(group, 8, MAX_KEY_BLOCKS / width)`` heads.  ``cosa.plan`` uses the torch path for
+Limit: the keys of one pass fill at most ``KEY_SLOTS`` int64 slots (32 KB of shared
+memory; with the rest, 44 KB a CTA, so that with 64 registers a thread four fit an SM and
+an 8K-token batch of tiles is resident at once), or, in a batch with a request of more
+than ``KEY_SLOTS`` key blocks, ``MAX_KEY_BLOCKS`` (128 KB, one CTA an SM); so a request may
+have at most ``MAX_KEY_BLOCKS`` key blocks (2M tokens). The heads of a group are ranked in
+passes of ``min(group, 8, slots / width)`` heads.  ``cosa.plan`` uses the torch path for
 longer requests.
 
 Compile-time specialisation: both kernels per (dtype, head_dim); everything else is
@@ -92,7 +93,8 @@ from cutlass._mlir.dialects import llvm  # noqa: E402
 
 __all__ = ["supported", "kap_order", "Launcher", "compile_config", "CONFIGS", "MAX_KEY_BLOCKS"]
 
-MAX_KEY_BLOCKS = 4096          # int64 key slots in KAPRank's shared memory
+KEY_SLOTS = 4096               # int64 key slots of KAPRank's shared memory: 32 KB ...
+MAX_KEY_BLOCKS = 16384         # ... or, where a request is longer, 128 KB (2M tokens)
 POOL_THREADS = 128
 VEC = 8                        # fp16/bf16 elements per 16-byte load
 RANK_THREADS = 256
@@ -225,14 +227,16 @@ class KAPRank:
                  mOrder: cute.Tensor, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
-            keys: cute.struct.Align[cute.struct.MemRange[Int64, MAX_KEY_BLOCKS], 16]
             qbar: cute.struct.Align[cute.struct.MemRange[Float32, MAX_PASS_HEADS * self.head_dim], 16]
             partial: cute.struct.Align[
                 cute.struct.MemRange[Float32, cute.cosize(self.mean.partial_layout())], 16]
+            # last: a launch for longer requests extends it past the struct (_key_slots)
+            keys: cute.struct.Align[cute.struct.MemRange[Int64, KEY_SLOTS], 128]
 
+        extra_keys = _key_slots(mRankBase.shape[1]) - KEY_SLOTS
         self.kernel(mQ, mQbar, mKbar, mRankBase, mQtiles, mKvBlockIndptr, mOrder, SharedStorage).launch(
             grid=[mQtiles.shape[0], mKbar.shape[1], 1], block=[RANK_THREADS, 1, 1],
-            smem=SharedStorage.size_in_bytes(), stream=stream, use_pdl=True)
+            smem=SharedStorage.size_in_bytes() + extra_keys * 8, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
@@ -253,14 +257,15 @@ class KAPRank:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        keys = storage.keys.get_tensor(cute.make_layout(MAX_KEY_BLOCKS))
+        key_slots = _key_slots(mRankBase.shape[1])
+        keys = storage.keys.get_tensor(cute.make_layout(key_slots))
         sQbar = storage.qbar.get_tensor(cute.make_layout((D, MAX_PASS_HEADS)))
         partial = storage.partial.get_tensor(self.mean.partial_layout())
 
         log_width = cutlass.max(
             SORT_BITS, 32 - Int32(cute.arch.clz(Int32(cutlass.max(num_candidates, 1) - 1))))
         width = Int32(1) << log_width
-        pass_heads = cutlass.min(cutlass.min(group, MAX_PASS_HEADS), MAX_KEY_BLOCKS >> log_width)
+        pass_heads = cutlass.min(cutlass.min(group, MAX_PASS_HEADS), key_slots >> log_width)
 
         # q's means first: they do not depend on KAPPool, whose last CTAs may still run.  Those
         # of the first pass's heads go straight to shared memory as well.
@@ -370,6 +375,14 @@ class KAPRank:
                     for r in cutlass.range_constexpr(1 << SORT_BITS):
                         keys[_slot(first | (r << low))] = x[r]
                 cute.arch.barrier()
+
+
+@cute.jit
+def _key_slots(max_request_blocks):
+    """KAPRank's int64 key slots for requests of at most ``max_request_blocks`` key blocks
+    (rank_base's width): KEY_SLOTS, or for longer requests MAX_KEY_BLOCKS, whose 128 KB leave
+    an SM room for one CTA instead of four."""
+    return cutlass.select_(max_request_blocks > KEY_SLOTS, Int32(MAX_KEY_BLOCKS), Int32(KEY_SLOTS))
 
 
 @cute.jit

@@ -435,7 +435,8 @@ def test_plan_create_without_the_kernels_says_so():
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
-    # One request of 4097 key blocks: more than KAP ranks, so the caller must pass the order.
+    # One request of MAX_KEY_BLOCKS + 1 key blocks (2M tokens): more than KAP ranks, so the
+    # caller must pass the order.
     # Every case fails before a launch, but the operands are real, in case one did not.
     tokens = 128 * (kap.MAX_KEY_BLOCKS + 1)
     status, plan = c_api.create(c_api.plan_args(tokens))
@@ -453,7 +454,7 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
         args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
                         None, o.data_ptr(), o.stride()[:2], None, None, None)
         cases = {
-            "order must not be NULL: the longest request has 4097 key blocks": {},
+            f"order must not be NULL: the longest request has {kap.MAX_KEY_BLOCKS + 1} key blocks": {},
             "q must be 16-byte aligned": {"q": q.data_ptr() + 2},
             "k_cache strides must be positive multiples of 8, got stride[1]=4": {"k_strides": (k.stride(0), 4, 128)},
             "o must not be NULL": {"o": None},

@@ -137,10 +137,19 @@ def test_group_ranked_in_two_passes():
              q_lens=[384], kv_lens=[140_000])
 
 
-def test_widest_sort_one_head_per_pass():
-    # just over half of MAX_KEY_BLOCKS key blocks: a MAX_KEY_BLOCKS-wide sort, one head per pass
+@pytest.mark.parametrize("slots", [kap.KEY_SLOTS, kap.MAX_KEY_BLOCKS])
+def test_widest_sort_one_head_per_pass(slots):
+    # just over half of the slots in key blocks: a sort as wide as the slots, one head per pass;
+    # the longer request (1M tokens) gets the larger shared memory
     run_case(dtype=torch.float16, head_dim=64, page_size=128, layout="HND", group=2, num_qo_heads=2,
-             budget=0.1, q_lens=[128], kv_lens=[(kap.MAX_KEY_BLOCKS // 2 + 4) * 128])
+             budget=0.1, q_lens=[128], kv_lens=[(slots // 2 + 4) * 128])
+
+
+def test_short_requests_beside_one_past_the_small_sort():
+    # one request just past KEY_SLOTS key blocks makes every tile's CTA take MAX_KEY_BLOCKS
+    # slots: its tiles (width 8192) rank two heads a pass, the short requests' all four at once
+    run_case(dtype=torch.bfloat16, head_dim=64, page_size=128, layout="NHD", group=4, budget=0.25,
+             q_lens=[256, 300, 1], kv_lens=[(kap.KEY_SLOTS + 10) * 128, 700, 513])
 
 
 @pytest.mark.parametrize("kv_len,uses_kernel", [(kap.MAX_KEY_BLOCKS * 128, True),

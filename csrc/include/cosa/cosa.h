@@ -211,7 +211,7 @@ typedef struct cosa_plan cosa_plan;
  * Validates args, builds the remap plan and copies its tables to memory the
  * plan owns on the current CUDA device (a synchronous copy); the plan may
  * then be run on that device only, from any stream. Where KAP can rank the
- * batch (no request of more than 4096 key blocks, 512K tokens) that memory
+ * batch (no request of more than 16384 key blocks, 2M tokens) that memory
  * also holds the proxy's: its ranking table (8 bytes per query tile and key
  * block of the longest request), the float block means of q and K, and the
  * order mask; for one request of 128K tokens, 32 query and 8 kv heads of
