@@ -489,6 +489,31 @@ def test_run_without_query_rows_reads_and_writes_nothing(c_api):
         c_api.lib.cosa_plan_destroy(plan)
 
 
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_run_ranks_past_the_small_sort_as_python_does(c_api):
+    # KEY_SLOTS + 10 key blocks: cosa_run's own order mask (NULL order) from KAPRank's larger
+    # shared memory, then OSK; bitwise Python's run of the same kernels, over NaN
+    tokens = 128 * (kap.KEY_SLOTS + 10)
+    status, plan = c_api.create(c_api.plan_args(tokens))
+    assert status == 0, c_api.error()
+    try:
+        q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
+        cache = torch.randn(tokens // 128, 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
+        k, v = cache[:, 0], cache[:, 1]
+        o = torch.full_like(q, float("nan"))
+        args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
+                        None, o.data_ptr(), o.stride()[:2], None, None, None)
+        assert c_api.lib.cosa_run(plan, ctypes.byref(args), torch.cuda.current_stream().cuda_stream) == 0, \
+            c_api.error()
+        python_plan = cosa.plan(*(torch.from_numpy(a).cuda() for a in c_api.page_table), 4, 2, 128, 128,
+                                budget=0.25, delta=0.05)
+        assert python_plan.rank_kernel is not None
+        torch.testing.assert_close(o, cosa.run(python_plan, q, cache), rtol=0, atol=0)
+    finally:
+        c_api.lib.cosa_plan_destroy(plan)
+
 # Run in a fresh process, so that cosa_run loads its kernels' modules inside the capture (they
 # load on first use): the first cosa_run is captured in a CUDA graph under torch's global
 # capture mode, replayed, and must equal an eager run on the same inputs, written over NaN.

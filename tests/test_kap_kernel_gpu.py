@@ -131,8 +131,8 @@ def test_order_matches_float64_proxy(dtype, head_dim, page_size, layout, group, 
              combined=combined, budget=budget, q_lens=RAGGED_Q, kv_lens=RAGGED_KV)
 
 
-def test_group_ranked_in_two_passes():
-    # 1094 key blocks: the sort is 2048 wide, so 4 of the 8 heads of the group fit a pass
+def test_group_ranked_in_four_passes():
+    # 1094 key blocks: the sort is 2048 wide, so 2 of the group's 8 heads fit KEY_SLOTS a pass
     run_case(dtype=torch.bfloat16, head_dim=64, page_size=256, layout="NHD", group=8, budget=0.25,
              q_lens=[384], kv_lens=[140_000])
 
@@ -148,6 +148,7 @@ def test_widest_sort_one_head_per_pass(slots):
 def test_short_requests_beside_one_past_the_small_sort():
     # one request just past KEY_SLOTS key blocks makes every tile's CTA take MAX_KEY_BLOCKS
     # slots: its tiles (width 8192) rank two heads a pass, the short requests' all four at once
+    # (as with KEY_SLOTS: what this adds is a batch whose widths differ by 1024x)
     run_case(dtype=torch.bfloat16, head_dim=64, page_size=128, layout="NHD", group=4, budget=0.25,
              q_lens=[256, 300, 1], kv_lens=[(kap.KEY_SLOTS + 10) * 128, 700, 513])
 

@@ -212,10 +212,14 @@ typedef struct cosa_plan cosa_plan;
  * plan owns on the current CUDA device (a synchronous copy); the plan may
  * then be run on that device only, from any stream. Where KAP can rank the
  * batch (no request of more than 16384 key blocks, 2M tokens) that memory
- * also holds the proxy's: its ranking table (8 bytes per query tile and key
- * block of the longest request), the float block means of q and K, and the
- * order mask; for one request of 128K tokens, 32 query and 8 kv heads of
- * head_dim 128 at budget 0.25: 8 MB, 20 MB and 32 MB.
+ * also holds the proxy's, whether or not the runs pass an order of their own:
+ * its ranking table (8 bytes per query tile and key block of the longest
+ * request), the float block means of q and K, and the order mask; for one
+ * request of 32 query and 8 kv heads of head_dim 128 at budget 0.25: 8 MB,
+ * 20 MB and 32 MB at 128K tokens, 0.5 GB, 0.2 GB and 2.1 GB at 1M. Any plan
+ * needs an order mask (num_qtiles * num_qo_heads * k_max entries, k_max
+ * about budget * key blocks) below 2^31 entries: at 32 query heads and budget
+ * 0.25, requests of fewer than 2M tokens.
  */
 COSA_API cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out);
 
@@ -268,11 +272,11 @@ typedef struct cosa_run_args {
 /*
  * Enqueues the kernels on stream (a cudaStream_t; NULL is the legacy default
  * stream): KAP's two when order is NULL, then OSK. No host sync, and no
- * allocation but the kernels' load by a dtype and head_dim's first call in
- * the process; any call, a first one too, may be captured in a CUDA graph
- * (examples/cpp replays one on new data). Runs sharing a plan's scratch (NULL order, lse, computed,
- * skipped) must not overlap. Host-side checks only: bad device pointers are
- * not detected.
+ * allocation but a kernel's load the first time the process launches it
+ * (KAP's at the first call with a NULL order); any call, a first one too,
+ * may be captured in a CUDA graph (examples/cpp replays one on new data).
+ * Runs sharing a plan's scratch (NULL order, lse, computed, skipped) must not
+ * overlap. Host-side checks only: bad device pointers are not detected.
  */
 COSA_API cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* stream);
 
