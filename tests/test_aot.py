@@ -6,6 +6,7 @@ The attention C API's argument checks, through ctypes.  On a GPU: the example's 
 equals Python's run on the same inputs, and run's output with the loaded kernels equals
 its output with the JIT-compiled ones."""
 
+import contextlib
 import ctypes
 import importlib.util
 import os
@@ -333,6 +334,28 @@ class _CApi:
     def error(self) -> str:
         return self.lib.cosa_last_error().decode()
 
+    @contextlib.contextmanager
+    def plan(self, args: _PlanArgs):
+        """The plan ``args`` make (which must succeed), destroyed on exit."""
+        status, plan = self.create(args)
+        assert status == 0, self.error()
+        try:
+            yield plan
+        finally:
+            self.lib.cosa_plan_destroy(plan)
+
+    @staticmethod
+    def run_args(q: torch.Tensor, cache: torch.Tensor, o: torch.Tensor) -> _RunArgs:
+        """cosa_run's operands: q and o [tokens, 4, 128], a combined NHD cache [pages, 2, 128, 2,
+        128]; no order (KAP's), lse or counts (the plan's scratch)."""
+        k, v = cache[:, 0], cache[:, 1]
+        return _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
+                        None, o.data_ptr(), o.stride()[:2], None, None, None)
+
+    def run(self, plan, args: _RunArgs, stream: int | None = None) -> int:
+        """cosa_run's status."""
+        return self.lib.cosa_run(plan, ctypes.byref(args), stream)
+
 
 @pytest.fixture(scope="module")
 def c_api(site) -> _CApi:
@@ -439,24 +462,21 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
     # caller must pass the order.
     # Every case fails before a launch, but the operands are real, in case one did not.
     tokens = 128 * (kap.MAX_KEY_BLOCKS + 1)
-    status, plan = c_api.create(c_api.plan_args(tokens))
-    assert status == 0, c_api.error()
-    try:
+    with c_api.plan(c_api.plan_args(tokens)) as plan:
         q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16, device="cuda")
         o = torch.empty_like(q)
         cache = torch.zeros(tokens // 128, 2, 128, 2, 128, dtype=torch.bfloat16, device="cuda")
-        k, v = cache[:, 0], cache[:, 1]
         sizes = _RemapPlanSizes()
         assert c_api.lib.cosa_remap_plan_info(c_api.lib.cosa_plan_remap(plan), ctypes.byref(sizes)) == 0
         lse, counts, order = (torch.zeros(n, dtype=dtype, device="cuda") for n, dtype in (
             (tokens * 4, torch.float32), (tokens, torch.int32),
             (sizes.num_qtiles * sizes.num_qo_heads * sizes.k_max, torch.int32)))   # the plan's order mask
-        args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
-                        None, o.data_ptr(), o.stride()[:2], None, None, None)
+        args = c_api.run_args(q, cache, o)
         cases = {
             f"order must not be NULL: the longest request has {kap.MAX_KEY_BLOCKS + 1} key blocks": {},
             "q must be 16-byte aligned": {"q": q.data_ptr() + 2},
-            "k_cache strides must be positive multiples of 8, got stride[1]=4": {"k_strides": (k.stride(0), 4, 128)},
+            "k_cache strides must be positive multiples of 8, got stride[1]=4":
+                {"k_strides": (cache.stride(0), 4, 128)},
             "o must not be NULL": {"o": None},
             f"o strides {{512, 8}} make its [{tokens}, 4, 128] elements overlap": {"o_strides": (512, 8)},
             "lse must be 4-byte aligned": {"lse": lse.data_ptr() + 2},
@@ -469,10 +489,8 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
             bad = _RunArgs.from_buffer_copy(args)
             for name, value in changes.items():
                 setattr(bad, name, value)
-            assert c_api.lib.cosa_run(plan, ctypes.byref(bad), None) == _INVALID_ARGUMENT, message
+            assert c_api.run(plan, bad) == _INVALID_ARGUMENT, message
             assert c_api.error().startswith(message)
-    finally:
-        c_api.lib.cosa_plan_destroy(plan)
 
 
 @pytest.mark.gpu
@@ -481,13 +499,8 @@ def test_run_without_query_rows_reads_and_writes_nothing(c_api):
     # an empty batch's tensors may be NULL (an empty CUDA tensor's data_ptr() is 0)
     args = c_api.plan_args(1000)
     c_api.page_table[0][1] = 0   # no query rows: qo_indptr [0, 0]
-    status, plan = c_api.create(args)
-    assert status == 0, c_api.error()
-    try:
-        assert c_api.lib.cosa_run(plan, ctypes.byref(_RunArgs()), None) == 0, c_api.error()
-    finally:
-        c_api.lib.cosa_plan_destroy(plan)
-
+    with c_api.plan(args) as plan:
+        assert c_api.run(plan, _RunArgs()) == 0, c_api.error()
 
 
 @pytest.mark.gpu
@@ -496,46 +509,36 @@ def test_run_ranks_past_the_small_sort_as_python_does(c_api):
     # KEY_SLOTS + 10 key blocks: cosa_run's own order mask (NULL order) from KAPRank's larger
     # shared memory, then OSK; bitwise Python's run of the same kernels, over NaN
     tokens = 128 * (kap.KEY_SLOTS + 10)
-    status, plan = c_api.create(c_api.plan_args(tokens))
-    assert status == 0, c_api.error()
-    try:
+    with c_api.plan(c_api.plan_args(tokens)) as plan:
         q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
         cache = torch.randn(tokens // 128, 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
-        k, v = cache[:, 0], cache[:, 1]
         o = torch.full_like(q, float("nan"))
-        args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
-                        None, o.data_ptr(), o.stride()[:2], None, None, None)
-        assert c_api.lib.cosa_run(plan, ctypes.byref(args), torch.cuda.current_stream().cuda_stream) == 0, \
+        assert c_api.run(plan, c_api.run_args(q, cache, o), torch.cuda.current_stream().cuda_stream) == 0, \
             c_api.error()
         python_plan = cosa.plan(*(torch.from_numpy(a).cuda() for a in c_api.page_table), 4, 2, 128, 128,
                                 budget=0.25, delta=0.05)
         assert python_plan.rank_kernel is not None
         torch.testing.assert_close(o, cosa.run(python_plan, q, cache), rtol=0, atol=0)
-    finally:
-        c_api.lib.cosa_plan_destroy(plan)
+
 
 # Run in a fresh process, so that cosa_run loads its kernels' modules inside the capture (they
 # load on first use): the first cosa_run is captured in a CUDA graph under torch's global
 # capture mode, replayed, and must equal an eager run on the same inputs, written over NaN.
 _FIRST_RUN_IN_A_GRAPH = """
-import ctypes, sys
+import sys
 from pathlib import Path
 import torch
 sys.path.insert(0, sys.argv[1])
-from test_aot import _CApi, _RunArgs
+from test_aot import _CApi
 
 c_api, tokens = _CApi(Path(sys.argv[2])), 1000
 status, plan = c_api.create(c_api.plan_args(tokens))   # budget 0.25: KAP's kernels, then OSK's
-assert status == 0, c_api.error()
+assert status == 0, c_api.error()   # the plan is freed at the process's exit
 q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
 cache = torch.randn(-(-tokens // 128), 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
-k, v = cache[:, 0], cache[:, 1]
 
 def run(o):
-    args = _RunArgs(q.data_ptr(), q.stride()[:2], k.data_ptr(), k.stride()[:3], v.data_ptr(), v.stride()[:3],
-                    None, o.data_ptr(), o.stride()[:2], None, None, None)
-    status = c_api.lib.cosa_run(plan, ctypes.byref(args), torch.cuda.current_stream().cuda_stream)
-    assert status == 0, c_api.error()
+    assert c_api.run(plan, c_api.run_args(q, cache, o), torch.cuda.current_stream().cuda_stream) == 0, c_api.error()
 
 replayed, eager = torch.full_like(q, float("nan")), torch.full_like(q, float("nan"))
 graph = torch.cuda.CUDAGraph()
@@ -546,7 +549,6 @@ run(eager)
 torch.cuda.synchronize()
 assert not eager.isnan().any()
 torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
-c_api.lib.cosa_plan_destroy(plan)
 """
 
 
