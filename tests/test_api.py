@@ -148,7 +148,7 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
     workspace = torch.zeros(1 << 16, dtype=torch.uint8)
     first = cosa.plan(*plan_args(batch), budget=0.5, workspace=workspace)
     second = cosa.plan(*plan_args(batch), budget=1.0, causal=False, workspace=workspace)
-    superseded = "another plan on the same workspace was made or run since this plan's latest run"
+    superseded = "another plan on the same workspace was made, run or ranked with order_mask since this plan's"
     dense = cosa.run(second, batch.q, batch.cache)
     with expect(RuntimeError, superseded):
         first.stats()
@@ -157,11 +157,17 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
     assert (first.stats().computed >= 1).all()
     with expect(RuntimeError, superseded):
         second.stats()
+    cosa.order_mask(second, batch.q, batch.cache)  # second's order mask may lie on first's counts
+    for superseded_plan in (first, second):
+        with expect(RuntimeError, superseded):
+            superseded_plan.stats()
+    cosa.order_mask(first, batch.q, batch.cache)   # a plan's own order mask leaves its counts alone
+    with expect(RuntimeError, superseded):
+        first.stats()
+    cosa.run(first, batch.q, batch.cache)
     counts = first.stats().computed
-    cosa.order_mask(second, batch.q, batch.cache)  # writes the shared order mask, not the counts
+    cosa.order_mask(first, batch.q, batch.cache)
     assert torch.equal(first.stats().computed, counts)
-    with expect(RuntimeError, superseded):   # they are first's, not second's
-        second.stats()
     private = cosa.plan(*plan_args(batch), budget=0.5)  # no workspace: its own buffers
     torch.testing.assert_close(cosa.run(private, batch.q, batch.cache), sparse, rtol=0, atol=0)
     cosa.run(first, batch.q, batch.cache)
@@ -172,6 +178,12 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
     for half in halves:
         cosa.run(half, batch.q, batch.cache)
     assert all((half.stats().computed >= 1).all() for half in halves)
+    straddling = cosa.plan(*plan_args(batch), budget=1.0, workspace=pool[(1 << 16) - 512:])  # overlaps both
+    cosa.run(straddling, batch.q, batch.cache)
+    assert straddling.stats().density_stage1 == 1.0
+    for half in halves:
+        with expect(RuntimeError, superseded):
+            half.stats()
 
 
 def test_the_plan_keeps_the_page_table_it_was_given(batch):

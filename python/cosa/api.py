@@ -32,10 +32,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
-# Plans cut from one workspace share its buffers. Per workspace (device, first byte): the
-# token of the plan whose counts they hold (the last plan made, which marks them unwritten, or
-# run), so that stats() refuses to read another plan's numbers.
-_workspace_writers: dict[tuple[str, int], int] = {}
+# Plans cut from one workspace share its buffers. Per device: the byte range of each workspace
+# (slice) whose counts are still those of the plan that last wrote it, with that plan's token
+# (made, which marks them unwritten, or run), so that stats() refuses another plan's numbers.
+# Writing a range drops every entry it overlaps (another slice of the same bytes, say).
+_workspace_counts: dict[str, list[tuple[int, int, int]]] = {}
 _plan_tokens = itertools.count(1)
 
 
@@ -128,8 +129,8 @@ class Plan:
     # the fused KAP kernels bound to them (cute_kernels.kap.Launcher), or None where run ranks
     # with the torch proxies
     rank_kernel: Callable | None
-    # with a workspace: its key in _workspace_writers, and this plan's token there
-    workspace_key: tuple[str, int] | None = None
+    # with a workspace: its device and byte range, the key of this plan's entry in _workspace_counts
+    workspace_bytes: tuple[str, int, int] | None = None
     token: int = 0
 
     @functools.cached_property
@@ -161,9 +162,9 @@ class Plan:
         unwritten with -1)."""
         def copy(x: torch.Tensor) -> torch.Tensor:
             return x.to("cpu", copy=True)
-        if self.workspace_key is not None and _workspace_writers.get(self.workspace_key) != self.token:
-            raise RuntimeError("plan.stats(): another plan on the same workspace was made or run since "
-                               "this plan's latest run, and its numbers replaced this plan's")
+        if not _holds_its_counts(self):
+            raise RuntimeError("plan.stats(): another plan on the same workspace was made, run or ranked "
+                               "with order_mask since this plan's latest run, and its numbers replaced this plan's")
         computed, skipped = copy(self.computed), copy(self.skipped)
         if (computed < 0).any() or (skipped < 0).any():
             raise RuntimeError("plan.stats(): no run has written the counts since this plan was made")
@@ -262,8 +263,10 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
 
     Without ``workspace`` the plan allocates its buffers (order mask, counts, scratch);
     with one it cuts them from it, so plans made on one workspace share them: any of
-    them runs correctly, but only the plan made or run last on the workspace has
-    ``stats()``; the others' raise (a CUDA graph's replays count as the run it captured).
+    them runs correctly, but only the plan made or run last on the workspace (or on
+    any slice overlapping it) has ``stats()``, which ``order_mask`` with another plan
+    takes away too; the others' raise (a CUDA graph's replays count as the run it
+    captured).
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
@@ -300,7 +303,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
     computed.fill_(-1)   # unwritten until a run: stats() refuses them
     skipped.fill_(-1)
-    workspace_key = None if workspace is None else (str(device), workspace.data_ptr())
+    workspace_bytes = None if workspace is None else (
+        str(device), workspace.data_ptr(), workspace.data_ptr() + workspace.numel())
 
     on_device = {name: torch.from_numpy(tables[name]).to(device) for name in (
         "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order", "rank_base")}
@@ -330,8 +334,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         # a copy, as block_pages is: the plan does not follow later edits of the caller's page table
         k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True), **on_device,
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
-        kernel=kernel, rank_kernel=rank_kernel, workspace_key=workspace_key, token=next(_plan_tokens))
-    _write_workspace(new_plan)
+        kernel=kernel, rank_kernel=rank_kernel, workspace_bytes=workspace_bytes, token=next(_plan_tokens))
+    _write_workspace(new_plan, counts=True)
     return new_plan
 
 
@@ -392,10 +396,25 @@ def _requests(plan: Plan):
                plan.kv_lens_host[request])
 
 
-def _write_workspace(plan: Plan) -> None:
-    """Records ``plan`` as the last to write its workspace's buffers (``Plan.stats``)."""
-    if plan.workspace_key is not None:
-        _workspace_writers[plan.workspace_key] = plan.token
+def _holds_its_counts(plan: Plan) -> bool:
+    """Whether ``plan``'s counts are its own: always without a workspace (``Plan.stats``)."""
+    if plan.workspace_bytes is None:
+        return True
+    device, first, end = plan.workspace_bytes
+    return (first, end, plan.token) in _workspace_counts.get(device, ())
+
+
+def _write_workspace(plan: Plan, *, counts: bool) -> None:
+    """Records that ``plan`` wrote its workspace: the plans whose bytes overlap it lose their
+    counts; ``plan`` holds its own if it wrote them (``counts``) or held them already."""
+    if plan.workspace_bytes is None:
+        return
+    device, first, end = plan.workspace_bytes
+    held = _holds_its_counts(plan)
+    entries = [entry for entry in _workspace_counts.get(device, ()) if entry[1] <= first or end <= entry[0]]
+    if counts or held:
+        entries.append((first, end, plan.token))
+    _workspace_counts[device] = entries
 
 
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -413,7 +432,8 @@ def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
     ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
     visiting order, -1 padded."""
     k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
-    _rank(plan, q, k_cache)  # the counts stay the last run's: the workspace's writer stays its plan
+    _rank(plan, q, k_cache)
+    _write_workspace(plan, counts=False)   # the order mask may lie where other plans' counts were
     return plan.order
 
 
@@ -448,7 +468,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
             out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
                 ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
                                        sm_scale=plan.sm_scale, delta=plan.delta)
-    _write_workspace(plan)
+    _write_workspace(plan, counts=True)
     return (out, lse) if return_lse else out
 
 
