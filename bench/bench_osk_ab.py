@@ -5,7 +5,9 @@ their outputs are bitwise equal, the ratio of their times, and each one's skip-c
                                  [--page-sizes 16 128] [--head-dim 128] [--json out.json]
 
 ``BASE.py`` and ``NEW.py`` are versions of ``cute_kernels/osk.py``; a verbatim copy loads
-(``git show REV:cute_kernels/osk.py > base.py``). ``NEW`` defaults to the installed kernel.
+(``git show REV:cute_kernels/osk.py > base.py``). ``NEW`` defaults to the installed kernel. Each
+version is compiled from its file (``COSA_DISABLE_AOT`` is set), even where libcosa carries the
+kernels, whose exported OSK would otherwise stand in for both.
 
 Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
 stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
@@ -22,7 +24,9 @@ counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritte
 
 Timing. ``--rounds`` rounds; each takes every row in turn, and each row's two versions one after
 the other, with ``time_samples`` (warm-up, ``--settle`` seconds at the row's own clock, then
-``--repeats`` timed calls), so that both versions see the same drift of clock and power. Which
+``--repeats`` timed calls, eager: not from CUDA graphs, as ``bench_attention.py`` times, and each
+binding the version to the plan's tables anew, so rows whose GPU time is not well above the host's,
+as at 8K, compare host work too), so that both versions see the same drift of clock and power. Which
 version goes first alternates from round to round. A time is the median of all its calls.
 Both versions run the same code for ``cosa dense`` unless the dense loop changed, so its ratio
 shows this A/B's noise; so does a run with the same file on both sides. Without a GPU it says
@@ -35,6 +39,7 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 from dataclasses import dataclass
@@ -187,12 +192,16 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_osk_ab: no CUDA GPU is available; this benchmark needs one (nothing was measured).")
         return 0
-    from cosa.cute_kernels import osk
+    from cosa.cute_kernels import aot, osk
 
+    # Each version compiles its own file: a libcosa built with the kernels would otherwise give
+    # both versions its exported kernel (a version's launcher loads through the installed aot.py).
+    os.environ[aot.DISABLE_AOT] = "1"
     modules = {"base": load_variant(args.base, "osk_base"),
                "new": load_variant(args.new, "osk_new") if args.new else osk}
     kernels = {version: module.osk_forward for version, module in modules.items()}
-    print(f"base {args.base}, new {args.new or 'installed'}; {args.rounds} rounds, medians of all calls")
+    print(f"base {args.base}, new {args.new or 'installed'}, each compiled from its file; {args.rounds} rounds, "
+          "medians of all calls")
     results = []
     with torch.no_grad():
         for seq in args.seq_lens:

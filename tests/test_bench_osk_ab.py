@@ -95,6 +95,26 @@ def test_without_a_gpu_it_says_so_and_exits_0(capsys):
     assert "needs one" in capsys.readouterr().out
 
 
+
+def test_each_version_is_compiled_from_its_file(monkeypatch):
+    # Where libcosa carries the kernels, a version's launcher (through the installed aot.py)
+    # would load libcosa's OSK instead, and the A/B would compare that kernel with itself.
+    from types import SimpleNamespace
+
+    from cosa.cute_kernels import aot
+    monkeypatch.setenv(aot.DISABLE_AOT, "0")   # "0": the kernels may come from libcosa
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(bench_osk_ab, "load_variant", lambda path, name: SimpleNamespace(osk_forward=path))
+    monkeypatch.setattr(bench_osk_ab, "format_results", lambda group: "")
+    seen = []
+    monkeypatch.setattr(bench_osk_ab, "measure", lambda kernels, *rest: seen.append(
+        (kernels, aot.kernel_source("osk", "bfloat16", 128))) or [])
+    assert bench_osk_ab.main(["base.py", "--new", "new.py", "--seq-lens", "8192", "--page-sizes", "16"]) == 0
+    (kernels, source), = seen
+    assert kernels == {"base": "base.py", "new": "new.py"}
+    assert source == aot.KernelSource("jit", f"{aot.DISABLE_AOT}=1")
+
 def test_its_rows_are_bench_attentions_with_their_settings():
     settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))
     assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
