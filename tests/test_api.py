@@ -208,8 +208,10 @@ def test_a_workspace_slice_at_any_offset_gives_aligned_buffers(batch):
 def test_workspace_checks(batch):
     with expect(TypeError, "workspace"):
         cosa.CoSAPrefillWrapper([0] * 10)
-    with expect(ValueError, "workspace"):
+    with expect(TypeError, "workspace must be a uint8 tensor, got torch.float32"):
         cosa.CoSAPrefillWrapper(torch.empty(10, dtype=torch.float32))
+    with expect(ValueError, r"workspace must be a contiguous 1-D tensor, got shape \(2, 8\)"):
+        cosa.CoSAPrefillWrapper(torch.empty(2, 8, dtype=torch.uint8))
     wrapper = cosa.CoSAPrefillWrapper(torch.empty(16, dtype=torch.uint8))
     with expect(ValueError, "workspace"):
         wrapper.plan(*plan_args(batch))
@@ -287,6 +289,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args, budget=1.5)
     with expect(ValueError, "delta"):
         cosa.plan(*args, delta=-0.1)
+    with expect(TypeError, "delta must be a float, got str"):
+        cosa.plan(*args, delta="0.1")
     assert cosa.plan(*args, delta=np.float32(0.5), sm_scale=np.float64(0.25)).delta == 0.5  # numpy scalars are floats
     with expect(ValueError, "sm_scale"):
         cosa.plan(*args, sm_scale=0.0)
@@ -297,6 +301,7 @@ def test_scalar_checks(batch):
     for flag in ("causal", "force_local", "force_sink"):
         with expect(TypeError, f"{flag} must be a bool, got str"):
             cosa.plan(*args, **{flag: "no"})
+        assert getattr(cosa.plan(*args, **{flag: np.bool_(False)}), flag) is False   # numpy's bools are bools
     with expect(TypeError, "q_data_type"):
         cosa.plan(*args, q_data_type=torch.int8)
     with expect(ValueError, "kv_layout"):
@@ -413,6 +418,10 @@ def test_calibrated_delta_reaches_the_target_density():
         calibrate_delta(plan, batch.q, batch.cache, 0.5, high=math.inf)   # inf is no delta plan takes
     with pytest.raises(TypeError, match="low must be a float, got bool"):
         calibrate_delta(plan, batch.q, batch.cache, 0.5, low=True)
+    with pytest.raises(ValueError, match=r"target_density must be a number in \[-inf, inf\], got NaN"):
+        calibrate_delta(plan, batch.q, batch.cache, math.nan)
+    with pytest.raises(TypeError, match="plan must be a cosa.Plan"):
+        calibrate_delta("plan", batch.q, batch.cache, 0.5)
     with pytest.raises(ValueError, match="steps must be >= 0, got -1"):
         calibrate_delta(plan, batch.q, batch.cache, 0.5, steps=-1)
     with pytest.raises(TypeError, match="steps must be an int, got float"):

@@ -73,7 +73,8 @@ def test_merge_keeps_rows_that_saw_nothing_empty():
     merged, lse = cosa.merge_states(torch.zeros_like(o), empty, torch.zeros_like(o), empty)
     assert (merged == 0).all() and (lse == -math.inf).all()
     lse_b = torch.randn(3, 2)
-    merged, lse = cosa.merge_states(torch.zeros_like(o), empty, o, lse_b)
+    # a part without keys adds nothing, even where its o holds NaN (a buffer left unwritten)
+    merged, lse = cosa.merge_states(torch.full_like(o, math.nan), empty, o, lse_b)
     torch.testing.assert_close(merged, o)
     torch.testing.assert_close(lse, lse_b)
 

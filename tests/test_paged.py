@@ -65,6 +65,14 @@ def test_uniform_page_table_describes_to_pages():
                                    x[r], rtol=0, atol=0)
 
 
+def test_empty_requests_and_caches_give_empty_pages_and_rows():
+    assert to_pages(torch.zeros(0, HEADS, D), 16).shape == (0, 16, HEADS, D)
+    assert to_pages(torch.zeros(3, 0, HEADS, D), 16).shape == (0, 16, HEADS, D)
+    cache = torch.randn(4, 16, HEADS, D)
+    for kv_layout, layout_cache in (("NHD", cache), ("HND", cache.transpose(1, 2))):
+        assert gather_pages(layout_cache, kv_layout, torch.zeros(0, dtype=torch.long), 0).shape == (0, HEADS, D)
+
+
 def test_bad_arguments_are_named():
     k = torch.randn(40, HEADS, D)
     with pytest.raises(ValueError, match="kv_lens must add up to k's 40 rows, got 60"):

@@ -10,13 +10,15 @@ from cosa.synthetic import structured_qkv
 
 @pytest.mark.parametrize("seq_len,q_len", [(300, None), (300, 100), (300, 0), (0, None), (1, 1)])
 def test_shapes_and_the_last_positions(seq_len, q_len):
+    # a chunk's q, k and v are the whole request's, noise included, from the same seed
     seed = torch.seed()
-    q, k, v = structured_qkv(seq_len, 8, 2, 16, q_len=q_len, noise=0.0, generator=torch.Generator().manual_seed(seed))
+    q, k, v = structured_qkv(seq_len, 8, 2, 16, q_len=q_len, generator=torch.Generator().manual_seed(seed))
     rows = seq_len if q_len is None else q_len
     assert q.shape == (rows, 8, 16) and k.shape == v.shape == (seq_len, 2, 16)
-    full_q, full_k, _ = structured_qkv(seq_len, 8, 2, 16, noise=0.0, generator=torch.Generator().manual_seed(seed))
+    full_q, full_k, full_v = structured_qkv(seq_len, 8, 2, 16, generator=torch.Generator().manual_seed(seed))
     torch.testing.assert_close(q, full_q[seq_len - rows:], rtol=0, atol=0)
     torch.testing.assert_close(k, full_k, rtol=0, atol=0)
+    torch.testing.assert_close(v, full_v, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("args,kwargs,error,message", [

@@ -203,8 +203,10 @@ def _carve(workspace: torch.Tensor | None, device: torch.device,
 def check_workspace(workspace) -> torch.Tensor:
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
-    if workspace.dtype != torch.uint8 or workspace.dim() != 1 or not workspace.is_contiguous():
-        raise ValueError("workspace must be a contiguous 1-D uint8 tensor")
+    if workspace.dtype != torch.uint8:
+        raise TypeError(f"workspace must be a uint8 tensor, got {workspace.dtype}")
+    if workspace.dim() != 1 or not workspace.is_contiguous():
+        raise ValueError(f"workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)}")
     return workspace
 
 
@@ -226,7 +228,7 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
         raise TypeError(f"budget must be a float, got {type(budget).__name__}")
     _check_delta("delta", delta)
     for name, flag in (("causal", causal), ("force_local", force_local), ("force_sink", force_sink)):
-        if not isinstance(flag, bool):
+        if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
     if sm_scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -236,7 +238,9 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
 
 # delta and sm_scale are checked by plan and, since a Plan's may be replaced, by each run
 def _check_delta(name: str, delta) -> None:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real) or not 0 <= delta < math.inf:
+    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(delta).__name__}")
+    if not 0 <= delta < math.inf:
         raise ValueError(f"{name} must be a finite float >= 0, got {delta!r}")
 
 
@@ -272,6 +276,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
                                    sm_scale, q_data_type, kv_data_type, kv_layout, proxy, causal,
                                    force_local, force_sink)
+    causal, force_local, force_sink = bool(causal), bool(force_local), bool(force_sink)   # numpy's too
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),

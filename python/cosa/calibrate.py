@@ -21,6 +21,8 @@ def calibrate_delta(plan: Plan, q, paged_kv_cache, target_density: float, *, low
     even ``high`` skips too little: the first visited block of every tile is
     always computed.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a cosa.Plan (from cosa.plan), got {type(plan).__name__}")
     if not 0 < check_float("target_density", target_density) <= 1:
         raise ValueError(f"target_density must be in (0, 1], got {target_density!r}")
     low, high = check_float("low", low), check_float("high", high)   # finite: plan takes them as delta

@@ -12,7 +12,8 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     """Attention over the union of two disjoint key sets, from ``(o [n, heads, d],
     lse [n, heads])`` over each (natural-log LSE, as ``cosa.run`` returns it):
     ``lse = logaddexp(lse_a, lse_b)``, ``o = o_a e^(lse_a - lse) + o_b e^(lse_b - lse)``.
-    A row that saw no key in either part (both ``-inf``) stays ``o = 0, lse = -inf``.
+    A part whose ``lse`` is ``-inf`` (no key) adds nothing, whatever its ``o`` holds; a row that
+    saw no key in either part stays ``o = 0, lse = -inf``.
     Both parts' ``o`` share one floating dtype, which the result keeps; the LSEs are float."""
     for name, o, lse in (("o_a", o_a, lse_a), ("o_b", o_b, lse_b)):
         check_tensor(name, o, dim=3)
@@ -29,5 +30,7 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     weight_a = torch.exp(lse_a - base)[..., None]
     weight_b = torch.exp(lse_b - base)[..., None]
     dtype = torch.promote_types(o_a.dtype, torch.float32)
-    o = o_a.to(dtype) * weight_a + o_b.to(dtype) * weight_b
-    return o.to(o_a.dtype), lse
+    # a part of weight 0 (no keys) adds nothing, whatever its o holds (NaN, say, left unwritten)
+    merged = sum(torch.where(weight == 0, 0.0, part.to(dtype) * weight)
+                 for part, weight in ((o_a, weight_a), (o_b, weight_b)))
+    return merged.to(o_a.dtype), lse

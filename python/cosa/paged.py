@@ -13,6 +13,8 @@ writes K/V layer by layer as a serving engine does.
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Sequence
 from itertools import accumulate
 from typing import NamedTuple
@@ -80,7 +82,7 @@ def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_le
     rows = cache.index_select(0, pages)
     if kv_layout == "HND":
         rows = rows.transpose(1, 2)
-    return rows.reshape(-1, rows.shape[-2], rows.shape[-1])[:kv_len]
+    return rows.reshape(rows.shape[0] * page_size, rows.shape[-2], rows.shape[-1])[:kv_len]
 
 
 def scatter_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, x: torch.Tensor) -> None:
@@ -155,10 +157,11 @@ def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
     page cache ``[requests * ceil(n / page_size), page_size, heads, d]``, pages in request order."""
     page_size = check_int("page_size", page_size)
     n, heads, d = x.shape[-3:]
-    requests = x.reshape(-1, n, heads, d)
-    pages = requests.new_zeros(requests.shape[0], -(-n // page_size) * page_size, heads, d)
+    requests = x.reshape(math.prod(x.shape[:-3]), n, heads, d)   # explicit sizes: x may be empty
+    pages_per_request = -(-n // page_size)
+    pages = requests.new_zeros(requests.shape[0], pages_per_request * page_size, heads, d)
     pages[:, :n] = requests
-    return pages.view(-1, page_size, heads, d)
+    return pages.view(requests.shape[0] * pages_per_request, page_size, heads, d)
 
 
 def uniform_page_table(batch: int, q_len: int, kv_len: int, page_size: int, device) -> tuple[torch.Tensor, ...]:

@@ -79,7 +79,8 @@ def structured_qkv(seq_len: int, num_qo_heads: int, num_kv_heads: int, head_dim:
     k = rope(local.expand(seq_len, -1, -1), positions) + topic_at + noise * randn(seq_len, num_kv_heads, head_dim)
     k[:1] += sink   # position 0, if there is one
     q = rope(per_query_head(local).expand(seq_len, -1, -1), positions) + per_query_head(topic_at + sink)
-    q = q[seq_len - q_len:] + noise * randn(q_len, num_qo_heads, head_dim)
+    q = q + noise * randn(seq_len, num_qo_heads, head_dim)
     v = randn(seq_len, num_kv_heads, head_dim)
+    q = q[seq_len - q_len:]   # drawn whole: a chunk's queries are those of the whole request
     return (q.to(dtype=dtype, device=device), k.to(dtype=dtype, device=device),
             v.to(dtype=dtype, device=device))
