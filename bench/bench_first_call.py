@@ -34,7 +34,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steady", type=int, default=20, help="calls timed after 3 warm-up calls")
     parser.add_argument("--json", help="also write the per-process results and medians here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one measuring process
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.seq_len < 1 or args.repeats < 1 or args.steady < 1:
+        parser.error("need --seq-len, --repeats and --steady >= 1")
+    return args
 
 
 def measure(args) -> dict:

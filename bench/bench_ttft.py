@@ -22,6 +22,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,7 +30,9 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cosa
-from bench_attention import format_or_dash, load_fa4, rel_err
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import format_or_dash, load_fa4, rel_err  # noqa: E402
 from cosa.paged import indptr, page_table, scatter_pages
 from cosa.synthetic import rope
 

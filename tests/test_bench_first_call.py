@@ -7,6 +7,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import bench_first_call  # noqa: E402
 
@@ -27,3 +29,9 @@ def test_summary_takes_each_modes_median_of_every_time_and_the_table_shows_them(
         shown = [float(x) for x in line.split()[2:]]
         assert shown == [round(summary[mode][key], 3 if key.endswith("_ms") else 2)
                          for key in bench_first_call.TIMES]
+
+
+@pytest.mark.parametrize("argv", [["--repeats", "0"], ["--steady", "0"], ["--seq-len", "0"]])
+def test_bad_arguments_are_refused(argv):
+    with pytest.raises(SystemExit):
+        bench_first_call.parse_args(argv)
