@@ -120,8 +120,11 @@ int main(int argc, char** argv) {
     std::transform(o.begin(), o.end(), out.begin(), from_bf16);
     if (argc > 1) {
         FILE* f = std::fopen(argv[1], "wb");
-        if (f == nullptr || std::fwrite(out.data(), sizeof(float), out.size(), f) != out.size()) return 1;
-        std::fclose(f);
+        const bool written = f != nullptr && std::fwrite(out.data(), sizeof(float), out.size(), f) == out.size();
+        if (f == nullptr || std::fclose(f) != 0 || !written) {
+            std::fprintf(stderr, "writing o to %s failed\n", argv[1]);
+            return 1;
+        }
     }
 
     // The run captured in a CUDA graph, as a serving engine would, and replayed on new q: it
