@@ -172,7 +172,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--page-sizes", type=int, nargs="+", default=[16, 128])
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
-    parser.add_argument("--rounds", type=int, default=6, help="an even number: each version goes first as often")
+    parser.add_argument("--rounds", type=int, default=6, help="even: each version goes first as often")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--settle", type=float, default=0.4, help="seconds each row runs before it is timed")
@@ -182,8 +182,9 @@ def parse_args(argv=None):
     unit = max([128] + args.page_sizes)
     if any(n <= 0 or n % unit for n in args.seq_lens):
         parser.error(f"sequence lengths must be positive multiples of {unit}")
-    if args.rounds < 1 or args.warmup < 0 or args.repeats < 1 or not args.settle >= 0:
-        parser.error("need --rounds >= 1, --warmup >= 0, --repeats >= 1 and --settle >= 0")
+    # the settle estimates a call's time from the warm-up's; each version goes first as often
+    if args.rounds < 2 or args.rounds % 2 or args.warmup < 1 or args.repeats < 1 or not args.settle >= 0:
+        parser.error("need an even --rounds >= 2, --warmup >= 1, --repeats >= 1 and --settle >= 0")
     return args
 
 

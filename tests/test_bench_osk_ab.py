@@ -82,7 +82,8 @@ def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
 
 @pytest.mark.parametrize("argv", [["v.py", "--seq-lens", "1000"], ["v.py", "--seq-lens", "0"],
                                   ["v.py", "--page-sizes", "256", "--seq-lens", "384"], ["v.py", "--rounds", "0"],
-                                  ["v.py", "--repeats", "0"], ["v.py", "--settle", "nan"], ["v.py", "--head-dim", "96"],
+                                  ["v.py", "--repeats", "0"], ["v.py", "--rounds", "3"], ["v.py", "--warmup", "0"],
+                                  ["v.py", "--settle", "nan"], ["v.py", "--head-dim", "96"],
                                   []])
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
