@@ -182,9 +182,11 @@ def parse_args(argv=None):
     unit = max([128] + args.page_sizes)
     if any(n <= 0 or n % unit for n in args.seq_lens):
         parser.error(f"sequence lengths must be positive multiples of {unit}")
-    # the settle estimates a call's time from the warm-up's; each version goes first as often
-    if args.rounds < 2 or args.rounds % 2 or args.warmup < 1 or args.repeats < 1 or not args.settle >= 0:
-        parser.error("need an even --rounds >= 2, --warmup >= 1, --repeats >= 1 and --settle >= 0")
+    # each version goes first as often; a settle estimates a call's time from the warm-up's
+    if args.rounds < 2 or args.rounds % 2 or args.repeats < 1 or not args.settle >= 0 or \
+            args.warmup < (1 if args.settle > 0 else 0):
+        parser.error("need an even --rounds >= 2, --repeats >= 1, --settle >= 0 and --warmup >= 1 (0 without "
+                     "a settle)")
     return args
 
 

@@ -88,13 +88,13 @@ def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
 def test_bad_arguments_are_refused(argv):
     with pytest.raises(SystemExit):
         bench_osk_ab.parse_args(argv)
+    assert bench_osk_ab.parse_args(["v.py", "--warmup", "0", "--settle", "0"]).warmup == 0   # nothing to estimate
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
 def test_without_a_gpu_it_says_so_and_exits_0(capsys):
     assert bench_osk_ab.main(["base.py"]) == 0
     assert "needs one" in capsys.readouterr().out
-
 
 
 def test_each_version_is_compiled_from_its_file(monkeypatch):
@@ -115,6 +115,7 @@ def test_each_version_is_compiled_from_its_file(monkeypatch):
     (kernels, source), = seen
     assert kernels == {"base": "base.py", "new": "new.py"}
     assert source == aot.KernelSource("jit", f"{aot.DISABLE_AOT}=1")
+
 
 def test_its_rows_are_bench_attentions_with_their_settings():
     settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))

@@ -71,6 +71,8 @@ def test_empty_requests_and_caches_give_empty_pages_and_rows():
     cache = torch.randn(4, 16, HEADS, D)
     for kv_layout, layout_cache in (("NHD", cache), ("HND", cache.transpose(1, 2))):
         assert gather_pages(layout_cache, kv_layout, torch.zeros(0, dtype=torch.long), 0).shape == (0, HEADS, D)
+    headless = torch.zeros(4, 16, 0, D)   # rows of no elements: reshape(-1, ...) cannot size them
+    assert gather_pages(headless, "NHD", torch.tensor([2, 0]), 20).shape == (20, 0, D)
 
 
 def test_bad_arguments_are_named():

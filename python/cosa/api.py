@@ -32,10 +32,9 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 _ALIGN = 256  # byte alignment of every buffer carved from a workspace
 HOPPER = (9, 0)  # the compute capability the kernels are built for (sm_90a)
-# Plans cut from one workspace share its buffers. Per device: the byte range of each workspace
-# (slice) whose counts are still those of the plan that last wrote it, with that plan's token
-# (made, which marks them unwritten, or run), so that stats() refuses another plan's numbers.
-# Writing a range drops every entry it overlaps (another slice of the same bytes, say).
+# Plans cut from one workspace share its buffers. Per device: the workspace bytes of each plan
+# whose counts are still its own there, with its token (made, which marks them unwritten, or
+# run), so that stats() refuses another plan's numbers. A write drops every entry it overlaps.
 _workspace_counts: dict[str, list[tuple[int, int, int]]] = {}
 _plan_tokens = itertools.count(1)
 
@@ -129,7 +128,7 @@ class Plan:
     # the fused KAP kernels bound to them (cute_kernels.kap.Launcher), or None where run ranks
     # with the torch proxies
     rank_kernel: Callable | None
-    # with a workspace: its device and byte range, the key of this plan's entry in _workspace_counts
+    # with a workspace: the device and byte range the plan's buffers take of it (_workspace_counts)
     workspace_bytes: tuple[str, int, int] | None = None
     token: int = 0
 
@@ -184,20 +183,22 @@ def _check_index_tensor(name: str, x, device: torch.device | None = None) -> tor
 
 
 def _carve(workspace: torch.Tensor | None, device: torch.device,
-           buffers: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
-    """Tensors of the given shapes and dtypes, cut from ``workspace`` or freshly allocated."""
+           buffers: list[tuple[tuple[int, ...], torch.dtype]]) -> tuple[list[torch.Tensor], tuple | None]:
+    """Tensors of the given shapes and dtypes, cut from ``workspace`` or freshly allocated; and
+    with a workspace, the device and byte range they take of it (``Plan.workspace_bytes``)."""
     if workspace is None:
-        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in buffers]
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in buffers], None
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in buffers]
     offset = -workspace.data_ptr() % _ALIGN   # every buffer starts _ALIGN-aligned, whatever the slice
     needed = offset + sum(-(-size // _ALIGN) * _ALIGN for size in sizes)
     if workspace.numel() < needed:
         raise ValueError(f"workspace holds {workspace.numel()} bytes, this plan needs {needed}")
+    used = (str(device), workspace.data_ptr() + offset, workspace.data_ptr() + needed)
     carved = []
     for (shape, dtype), size in zip(buffers, sizes):
         carved.append(workspace[offset:offset + size].view(dtype).view(shape))
         offset += -(-size // _ALIGN) * _ALIGN
-    return carved
+    return carved, used
 
 
 def check_workspace(workspace) -> torch.Tensor:
@@ -206,7 +207,8 @@ def check_workspace(workspace) -> torch.Tensor:
     if workspace.dtype != torch.uint8:
         raise TypeError(f"workspace must be a uint8 tensor, got {workspace.dtype}")
     if workspace.dim() != 1 or not workspace.is_contiguous():
-        raise ValueError(f"workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)}")
+        raise ValueError(f"workspace must be a contiguous 1-D tensor, got shape {tuple(workspace.shape)} "
+                         f"and strides {workspace.stride()}")
     return workspace
 
 
@@ -300,16 +302,15 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     bind_osk = osk_launcher(device, head_dim, q_data_type, kv_data_type)
     bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, tables["rank_base"].shape[1])
     pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if bind_kap else (0, 0)
-    order, computed, skipped, lse, qbar, kbar = _carve(workspace, device, [
+    (order, computed, skipped, lse, qbar, kbar), workspace_bytes = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
         ((num_qtiles, num_qo_heads), torch.int32),
         ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32),
         ((pooled_tiles, num_qo_heads, head_dim), torch.float32),
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
+    _release_bytes(workspace_bytes)
     computed.fill_(-1)   # unwritten until a run: stats() refuses them
     skipped.fill_(-1)
-    workspace_bytes = None if workspace is None else (
-        str(device), workspace.data_ptr(), workspace.data_ptr() + workspace.numel())
 
     on_device = {name: torch.from_numpy(tables[name]).to(device) for name in (
         "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order", "rank_base")}
@@ -340,7 +341,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True), **on_device,
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
         kernel=kernel, rank_kernel=rank_kernel, workspace_bytes=workspace_bytes, token=next(_plan_tokens))
-    _write_workspace(new_plan, counts=True)
+    _claim_workspace(new_plan)
     return new_plan
 
 
@@ -409,17 +410,28 @@ def _holds_its_counts(plan: Plan) -> bool:
     return (first, end, plan.token) in _workspace_counts.get(device, ())
 
 
-def _write_workspace(plan: Plan, *, counts: bool) -> None:
-    """Records that ``plan`` wrote its workspace: the plans whose bytes overlap it lose their
-    counts; ``plan`` holds its own if it wrote them (``counts``) or held them already."""
-    if plan.workspace_bytes is None:
-        return
-    device, first, end = plan.workspace_bytes
+def _release_bytes(workspace_bytes: tuple[str, int, int] | None) -> None:
+    """Before a plan writes these workspace bytes: every plan whose bytes they overlap loses its
+    counts, first, so that a write that fails part way leaves no plan claiming what it wrote."""
+    if workspace_bytes is not None:
+        device, first, end = workspace_bytes
+        _workspace_counts[device] = [entry for entry in _workspace_counts.get(device, ())
+                                     if entry[1] <= first or end <= entry[0]]
+
+
+def _release_workspace(plan: Plan) -> bool:
+    """``_release_bytes`` of ``plan``'s workspace bytes, its own counts among them; returns
+    whether it held them."""
     held = _holds_its_counts(plan)
-    entries = [entry for entry in _workspace_counts.get(device, ()) if entry[1] <= first or end <= entry[0]]
-    if counts or held:
-        entries.append((first, end, plan.token))
-    _workspace_counts[device] = entries
+    _release_bytes(plan.workspace_bytes)
+    return held
+
+
+def _claim_workspace(plan: Plan) -> None:
+    """After ``plan`` wrote its counts, or kept them: they are its own."""
+    if plan.workspace_bytes is not None:
+        device, first, end = plan.workspace_bytes
+        _workspace_counts.setdefault(device, []).append((first, end, plan.token))
 
 
 def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
@@ -437,8 +449,10 @@ def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:
     ``[num_qtiles, num_qo_heads, k_max]``, each (query tile, head)'s key blocks in
     visiting order, -1 padded."""
     k_cache, _ = _check_run_args(plan, q, paged_kv_cache, None, None)
+    held = _release_workspace(plan)   # the order mask may lie where other plans' counts were
     _rank(plan, q, k_cache)
-    _write_workspace(plan, counts=False)   # the order mask may lie where other plans' counts were
+    if held:   # not where its own are
+        _claim_workspace(plan)
     return plan.order
 
 
@@ -462,6 +476,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     if lse is None:
         # the kernel always writes LSE; a caller who wants it gets a tensor of their own
         lse = torch.empty_like(plan.lse) if return_lse else plan.lse
+    _release_workspace(plan)
     _rank(plan, q, k_cache)
     if plan.kernel is not None:
         plan.kernel(q, k_cache, v_cache, out, lse, sm_scale=plan.sm_scale,
@@ -473,7 +488,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
             out[q_rows], lse[q_rows], plan.computed[qtile_rows], plan.skipped[qtile_rows] = \
                 ordered_skip_attention(q[q_rows], keys, values, plan.order[qtile_rows], causal=plan.causal,
                                        sm_scale=plan.sm_scale, delta=plan.delta)
-    _write_workspace(plan, counts=True)
+    _claim_workspace(plan)
     return (out, lse) if return_lse else out
 
 

@@ -21,8 +21,8 @@ def check_float(name: str, x, low: float = -math.inf, high: float = math.inf) ->
     """``x`` as a float, if it is a real number (not a bool) in ``[low, high]``."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    if math.isnan(x):
-        raise ValueError(f"{name} must be a number in [{low}, {high}], got NaN")
+    if x != x:   # NaN (math.isnan would overflow on a huge int)
+        raise ValueError(f"{name} must be a number, got NaN")
     if not low <= x <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {x!r}")
     return float(x)
