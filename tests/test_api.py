@@ -187,6 +187,20 @@ def test_only_the_last_plan_to_write_a_shared_workspace_has_stats(batch):
         halves[1].stats()
 
 
+def test_a_dead_plan_leaves_no_workspace_entry(batch):
+    # plans on workspaces of their own, each dropped after its run: run scans only live plans'
+    import gc
+    before = len(api._workspace_counts.get("cpu", ()))
+    for _ in range(20):
+        cosa.run(cosa.plan(*plan_args(batch), workspace=torch.zeros(1 << 16, dtype=torch.uint8)), batch.q,
+                 batch.cache)
+    gc.collect()
+    assert len(api._workspace_counts.get("cpu", ())) <= before
+    kept = cosa.plan(*plan_args(batch), workspace=torch.zeros(1 << 16, dtype=torch.uint8))
+    cosa.run(kept, batch.q, batch.cache)
+    assert (kept.stats().computed >= 1).all()
+
+
 def test_a_run_that_fails_part_way_leaves_no_plan_its_bytes(monkeypatch):
     # the second plan's order mask covers the first's counts; its run fails after writing it
     batch = make_batch([600, 600], [2000, 2000], HQ, HKV, D, PAGE, dtype=torch.bfloat16,

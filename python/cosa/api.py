@@ -15,6 +15,7 @@ import itertools
 import math
 import numbers
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -342,6 +343,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
         kernel=kernel, rank_kernel=rank_kernel, workspace_bytes=workspace_bytes, token=next(_plan_tokens))
     _claim_workspace(new_plan)
+    if workspace_bytes is not None:   # its entry goes with its buffers (copies of the plan share them)
+        weakref.finalize(computed, _forget_workspace, workspace_bytes, new_plan.token)
     return new_plan
 
 
@@ -425,6 +428,13 @@ def _release_workspace(plan: Plan) -> bool:
     held = _holds_its_counts(plan)
     _release_bytes(plan.workspace_bytes)
     return held
+
+
+def _forget_workspace(workspace_bytes: tuple[str, int, int], token: int) -> None:
+    """Drops a dead plan's entry, so that the entries run scans are the live plans'."""
+    device, first, end = workspace_bytes
+    if (first, end, token) in _workspace_counts.get(device, ()):
+        _workspace_counts[device].remove((first, end, token))
 
 
 def _claim_workspace(plan: Plan) -> None:
