@@ -30,11 +30,11 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import cosa
+from cosa.paged import indptr, page_table, scatter_pages
+from cosa.synthetic import rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import format_or_dash, load_fa4, rel_err  # noqa: E402
-from cosa.paged import indptr, page_table, scatter_pages
-from cosa.synthetic import rope
 
 
 @dataclass(frozen=True)

@@ -309,9 +309,6 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((int(host["qo_indptr"][-1]), num_qo_heads), torch.float32),
         ((pooled_tiles, num_qo_heads, head_dim), torch.float32),
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
-    _release_bytes(workspace_bytes)
-    computed.fill_(-1)   # unwritten until a run: stats() refuses them
-    skipped.fill_(-1)
 
     on_device = {name: torch.from_numpy(tables[name]).to(device) for name in (
         "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order", "rank_base")}
@@ -342,6 +339,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         k_max=k_max, kv_indices=torch.from_numpy(used_pages).to(device, copy=True), **on_device,
         order=order, computed=computed, skipped=skipped, lse=lse, qbar=qbar, kbar=kbar,
         kernel=kernel, rank_kernel=rank_kernel, workspace_bytes=workspace_bytes, token=next(_plan_tokens))
+    _release_workspace(new_plan)
+    computed.fill_(-1)   # unwritten until a run: stats() refuses them
+    skipped.fill_(-1)
     _claim_workspace(new_plan)
     if workspace_bytes is not None:   # its entry goes with its buffers (copies of the plan share them)
         weakref.finalize(computed, _forget_workspace, workspace_bytes, new_plan.token)
@@ -413,20 +413,15 @@ def _holds_its_counts(plan: Plan) -> bool:
     return (first, end, plan.token) in _workspace_counts.get(device, ())
 
 
-def _release_bytes(workspace_bytes: tuple[str, int, int] | None) -> None:
-    """Before a plan writes these workspace bytes: every plan whose bytes they overlap loses its
-    counts, first, so that a write that fails part way leaves no plan claiming what it wrote."""
-    if workspace_bytes is not None:
-        device, first, end = workspace_bytes
+def _release_workspace(plan: Plan) -> bool:
+    """Before ``plan`` writes its workspace bytes: every plan whose bytes they overlap, itself
+    included, loses its counts, so that a write that fails part way leaves no plan claiming what
+    it wrote.  Returns whether ``plan`` held its own."""
+    held = _holds_its_counts(plan)
+    if plan.workspace_bytes is not None:
+        device, first, end = plan.workspace_bytes
         _workspace_counts[device] = [entry for entry in _workspace_counts.get(device, ())
                                      if entry[1] <= first or end <= entry[0]]
-
-
-def _release_workspace(plan: Plan) -> bool:
-    """``_release_bytes`` of ``plan``'s workspace bytes, its own counts among them; returns
-    whether it held them."""
-    held = _holds_its_counts(plan)
-    _release_bytes(plan.workspace_bytes)
     return held
 
 
