@@ -59,17 +59,17 @@ struct cosa_plan {
     cosa_dtype dtype{};
     int32_t head_dim = 0, page_size = 0, num_kv_heads = 0;
     int64_t num_pages = 0;
-    bool causal = true;
+    bool causal = true, force_local = true, force_sink = true;
     double sm_scale = 0, delta = 0;
     int64_t total_q = 0;
     int device = 0;
     // One device allocation of 4-byte words: the plan tables, then the scratch, each array
-    // at a word offset below, 256-byte aligned. The KAP arrays (rank_base, int64; the means
-    // qbar and kbar, float; order) are there only where kap_ranks.
+    // at a word offset below, 256-byte aligned. The KAP arrays (the float means qbar and
+    // kbar, and order) are there only where kap_ranks.
     int32_t* words = nullptr;
     int64_t num_words = 0;
     int64_t qo_lens = 0, kv_lens = 0, kv_block_indptr = 0, block_pages = 0, qtiles = 0,
-            tile_order = 0, rank_base = 0, lse = 0, computed = 0, skipped = 0, qbar = 0, kbar = 0,
+            tile_order = 0, lse = 0, computed = 0, skipped = 0, qbar = 0, kbar = 0,
             order = 0;
 
     ~cosa_plan();
@@ -292,12 +292,12 @@ T descriptor(const Tensor& t) {
         COSA_TENSOR(P, mQ, q);                                                                 \
         COSA_TENSOR(P, mQbar, qbar);                                                           \
         COSA_TENSOR(P, mKbar, kbar);                                                           \
-        COSA_TENSOR(P, mRankBase, rank_base);                                                  \
         COSA_TENSOR(P, mQtiles, qtiles);                                                       \
         COSA_TENSOR(P, mKvBlockIndptr, kv_block_indptr);                                       \
         COSA_TENSOR(P, mOrder, order);                                                         \
-        return cute_dsl_##P##_wrapper(&module, &q, &qbar, &kbar, &rank_base, &qtiles,          \
-                                      &kv_block_indptr, &order, stream);                       \
+        return cute_dsl_##P##_wrapper(&module, &q, &qbar, &kbar, &qtiles, &kv_block_indptr,   \
+                                      &order, a.max_request_blocks, a.force_local,             \
+                                      a.force_sink, stream);                                   \
     }
 
 COSA_OSK_LAUNCHER(cosa_osk_bf16_d64)
@@ -394,11 +394,10 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->sm_scale = args->sm_scale;
         plan->delta = args->delta;
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
+        plan->force_local = args->remap.force_local;
+        plan->force_sink = args->remap.force_sink;
         const bool ranks = kap_ranks(host);
-        const std::vector<int64_t> rank_base =
-            ranks ? cosa::build_rank_base(host, args->remap.force_local, args->remap.force_sink)
-                  : std::vector<int64_t>{};
-        const int64_t num_qtiles = host.num_qtiles(), num_rank_keys = static_cast<int64_t>(rank_base.size());
+        const int64_t num_qtiles = host.num_qtiles();
         // Head counts are bounded only by int32: with no query rows, KAP's key means can ask for
         // more words than int64 counts, and the offsets would wrap inside the allocation.
         constexpr int64_t kMaxWords = std::numeric_limits<int64_t>::max() / sizeof(int32_t) / 2;
@@ -428,7 +427,6 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         carve(plan->computed, {host.num_tiles()});
         carve(plan->skipped, {host.num_tiles()});
         if (ranks) {
-            carve(plan->rank_base, {2, num_rank_keys});  // int64
             carve(plan->qbar, {num_qtiles, host.num_qo_heads, plan->head_dim});
             carve(plan->kbar, {host.num_kv_blocks(), plan->num_kv_heads, plan->head_dim});
             carve(plan->order, {host.order_size()});
@@ -449,7 +447,6 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         upload(plan->block_pages, host.block_pages);
         upload(plan->qtiles, host.qtiles);
         upload(plan->tile_order, host.tile_order);
-        if (ranks) upload(plan->rank_base, rank_base);
         plan->remap.plan = std::move(host);
         *out = plan.release();
 #else
@@ -499,11 +496,11 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
             const Tensor kbar{w + plan->kbar, {num_kv_blocks, hkv, d}, {static_cast<int64_t>(hkv) * d, d}};
             cosa::kernels::launch(plan->dtype, d, PoolArgs{k, block_pages, kv_block_indptr, kv_lens, kbar, page_shift},
                                   stream);
-            const auto width = static_cast<int32_t>(p.max_request_blocks());
             cosa::kernels::launch(plan->dtype, d,
                                   RankArgs{q, {w + plan->qbar, {nq, hq, d}, {static_cast<int64_t>(hq) * d, d}},
-                                           kbar, {w + plan->rank_base, {nq, width}, {width}}, qtiles,
-                                           kv_block_indptr, order},
+                                           kbar, qtiles, kv_block_indptr, order,
+                                           static_cast<int32_t>(p.max_request_blocks()), plan->force_local,
+                                           plan->force_sink},
                                   stream);
         }
         OskArgs a{};

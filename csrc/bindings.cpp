@@ -97,13 +97,12 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
     args.force_local = force_local;
     args.force_sink = force_sink;
     cosa::Plan plan = cosa::build_plan(args);
-    std::vector<int64_t> rank_base = cosa::build_rank_base(plan, force_local, force_sink);
 
     const py::ssize_t batch = plan.batch_size();
     const py::ssize_t num_kv_blocks = plan.num_kv_blocks();
     const py::ssize_t num_qtiles = plan.num_qtiles();
     const py::ssize_t num_tiles = plan.num_tiles();
-    const py::ssize_t max_request_blocks = plan.max_request_blocks();
+    const int64_t max_request_blocks = plan.max_request_blocks();  // before the tables move out
     py::dict tables;
     tables["qo_lens"] = to_numpy(std::move(plan.qo_lens), {batch});
     tables["kv_lens"] = to_numpy(std::move(plan.kv_lens), {batch});
@@ -112,8 +111,8 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
         to_numpy(std::move(plan.block_pages), {num_kv_blocks, plan.pages_per_block});
     tables["qtiles"] = to_numpy(std::move(plan.qtiles), {num_qtiles, COSA_QT_COLUMNS});
     tables["tile_order"] = to_numpy(std::move(plan.tile_order), {num_tiles, 2});
-    tables["rank_base"] = to_numpy(std::move(rank_base), {num_qtiles, max_request_blocks});
     tables["k_max"] = plan.k_max;
+    tables["max_request_blocks"] = max_request_blocks;
     tables["pages_per_block"] = plan.pages_per_block;
     tables["num_qo_heads"] = plan.num_qo_heads;
     return tables;
@@ -224,10 +223,12 @@ void launch_kap_pool(const std::string& dtype, int32_t head_dim, const std::vect
 }
 
 void launch_kap_rank(const std::string& dtype, int32_t head_dim, const std::vector<int64_t>& words,
-                     std::uintptr_t stream) {
-    const auto t = kernel_tensors<7>(words);
+                     int32_t max_request_blocks, int32_t force_local, int32_t force_sink, std::uintptr_t stream) {
+    const auto t = kernel_tensors<6>(words);
     cosa::kernels::launch(kernel_dtype(dtype), head_dim,
-                          cosa::kernels::RankArgs{t[0], t[1], t[2], t[3], t[4], t[5], t[6]}, stream_of(stream));
+                          cosa::kernels::RankArgs{t[0], t[1], t[2], t[3], t[4], t[5], max_request_blocks,
+                                                  force_local, force_sink},
+                          stream_of(stream));
 }
 
 }  // namespace
@@ -247,9 +248,6 @@ PYBIND11_MODULE(_C, m) {
     m.attr("QT_LOCAL_LAST") = int{COSA_QT_LOCAL_LAST};
     m.attr("QT_NUM_SELECTED") = int{COSA_QT_NUM_SELECTED};
     m.attr("QT_COLUMNS") = int{COSA_QT_COLUMNS};
-    m.attr("RANK_BLOCK_BITS") = cosa::kRankBlockBits;
-    m.attr("RANK_PRIORITY_SHIFT") = cosa::kRankPriorityShift;
-    m.attr("RANK_SCORED") = int{cosa::kScored};
 
     m.def("build_plan", &build_plan, py::arg("qo_indptr"), py::arg("kv_indptr"),
           py::arg("kv_indices"), py::arg("kv_last_page_len"), py::kw_only(), py::arg("num_pages"),
@@ -260,10 +258,8 @@ PYBIND11_MODULE(_C, m) {
 The four arrays are 1-D integer arrays (int32 is used without a copy). Returns a
 dict of int32 numpy arrays qo_lens [B], kv_lens [B], kv_block_indptr [B+1],
 block_pages [num_kv_blocks, pages_per_block], qtiles [num_qtiles, QT_COLUMNS] and
-tile_order [num_qtiles * num_qo_heads, 2], the int64 array rank_base [num_qtiles, key
-blocks of the longest request] (the proxy's ranking keys without the score:
-priority << RANK_PRIORITY_SHIFT | block index), and the ints k_max, pages_per_block
-and num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
+tile_order [num_qtiles * num_qo_heads, 2], and the ints k_max, max_request_blocks (key
+blocks of the longest request), pages_per_block and num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
 non-integer array.)doc");
     m.def("resolve_order", &resolve_order, py::arg("plan"), py::arg("order"),
           R"doc(Physical pages of an order mask: [num_qtiles, num_qo_heads, k_max, pages_per_block].
@@ -283,5 +279,5 @@ past kv_len. Raises ValueError naming plan or order when they disagree.)doc");
     m.def("launch_kap_pool", &launch_kap_pool, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
           py::arg("page_shift"), py::arg("stream"));
     m.def("launch_kap_rank", &launch_kap_rank, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
-          py::arg("stream"));
+          py::arg("max_request_blocks"), py::arg("force_local"), py::arg("force_sink"), py::arg("stream"));
 }

@@ -30,7 +30,8 @@ struct PoolArgs {
     int32_t page_shift;
 };
 struct RankArgs {
-    Tensor q, qbar, kbar, rank_base, qtiles, kv_block_indptr, order;
+    Tensor q, qbar, kbar, qtiles, kv_block_indptr, order;
+    int32_t max_request_blocks, force_local, force_sink;
 };
 
 // Launches the configuration's kernel (head_dim 64 or 128) on `stream` (a cudaStream_t) of

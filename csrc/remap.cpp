@@ -296,33 +296,6 @@ Plan build_plan(const PlanArgs& args) {
     return plan;
 }
 
-std::vector<int64_t> build_rank_base(const Plan& plan, bool force_local, bool force_sink) {
-    const int64_t width = plan.max_request_blocks();
-    if (plan.num_qtiles() * width > kInt32Max) {
-        fail("qo_indptr, kv_indptr: ", plan.num_qtiles(), " query tiles and ", width,
-             " key blocks in the longest request give a ranking table of more than ", kInt32Max,
-             " entries");
-    }
-    std::vector<int64_t> rank_base;
-    rank_base.reserve(static_cast<size_t>(plan.num_qtiles() * width));
-    for (int64_t qt = 0; qt < plan.num_qtiles(); ++qt) {
-        const int32_t* row = plan.qtiles.data() + qt * COSA_QT_COLUMNS;
-        const int64_t first = static_cast<int64_t>(rank_base.size());
-        const int64_t candidates = row[COSA_QT_NUM_CANDIDATES];  // <= width
-        for (int64_t j = 0; j < candidates; ++j) rank_base.push_back(kScored << kRankPriorityShift | j);
-        for (int64_t j = candidates; j < width; ++j) rank_base.push_back(kNotCandidate << kRankPriorityShift | j);
-        // The forced blocks, all candidates (block 0 is every tile's).
-        int64_t* keys = rank_base.data() + first;
-        auto force = [&](int64_t j, RankPriority priority) { keys[j] = priority << kRankPriorityShift | j; };
-        if (force_sink) force(0, kSink);
-        if (force_local) {
-            force(row[COSA_QT_LOCAL_LAST], kLocalLast);
-            force(row[COSA_QT_LOCAL_FIRST], kLocalFirst);
-        }
-    }
-    return rank_base;
-}
-
 void resolve_order(const Plan& plan, Span<const int32_t> order, Span<int32_t> out_pages) {
     const int64_t max_candidates = check_plan_layout(plan);
     check_span("order", order);

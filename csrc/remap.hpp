@@ -21,15 +21,6 @@ inline std::string repr(double value) {
 
 inline constexpr std::array<int32_t, 5> kPageSizes = {16, 32, 64, 128, 256};
 
-// A key block's ranking key within its query tile, an int64 that the proxy sorts descending
-// (docs/design.md, "Visiting order"): priority << kRankPriorityShift, plus the score code (a
-// signed int32 ordered like the score) << kRankBlockBits, plus the block index. Distinct
-// blocks get distinct keys, so a sort needs no tie rule of its own. An int32 kv_len bounds the
-// block index by 2^24, well inside its 28 bits.
-enum RankPriority : int64_t { kNotCandidate, kScored, kSink, kLocalLast, kLocalFirst };
-inline constexpr int kRankBlockBits = 28;
-inline constexpr int kRankPriorityShift = kRankBlockBits + 32;
-
 // A caller-owned array; `data` may be null only when `size` is 0.
 template <class T>
 struct Span {
@@ -87,13 +78,6 @@ struct Plan {
 // Throws std::invalid_argument, its message starting with the offending
 // argument's name, when `args` breaks a rule of cosa.h's cosa_remap_args.
 COSA_API Plan build_plan(const PlanArgs& args);
-
-// The proxy's ranking keys without the score code, [num_qtiles, max_request_blocks()]: each
-// tile's visiting priority (forced local blocks, the sink, the scored candidates, then the
-// blocks the tile cannot see) and block index.  Only a stage-1 ranking needs it, so it is not
-// part of the remap plan.  Throws std::invalid_argument naming qo_indptr and kv_indptr when
-// the table would exceed int32 entries.
-COSA_API std::vector<int64_t> build_rank_base(const Plan& plan, bool force_local, bool force_sink);
 
 // Writes order's physical pages to out_pages
 // [num_qtiles, num_qo_heads, k_max, pages_per_block] (see

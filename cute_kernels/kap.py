@@ -9,18 +9,20 @@ Entry points
     Whether the kernels cover the configuration: the OSK configurations (head_dim 64 or
     128, fp16/bf16) and requests of at most ``MAX_KEY_BLOCKS`` key blocks.
 
-``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order, *,
-num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout="NHD")(q, k_cache)``
+``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
+max_request_blocks, force_local, force_sink, num_qo_heads, num_kv_heads, head_dim, page_size,
+dtype, kv_layout="NHD")(q, k_cache)``
     The kernels bound to a plan's tables and buffers (as ``osk.Launcher``); a call launches
     as ``kap_order``.
 
-``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base,
-qbar, kbar, order, *, kv_layout="NHD") -> None``
+``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
+max_request_blocks, force_local, force_sink, kv_layout="NHD") -> None``
     Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream of
     q's device (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks,
     Hkv, D] float32, which the caller provides); no host sync, no allocation, so CUDA-graph
     capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
-    ``osk.osk_forward``; ``rank_base`` is ``cosa.Plan.rank_base`` (int64).  Imports no
+    ``osk.osk_forward``; ``max_request_blocks`` (key blocks of the longest request),
+    ``force_local`` and ``force_sink`` are the plan's.  Imports no
     torch (``osk._launch`` does, when called), so that ``aot.py`` exports the kernels
     without it.
 
@@ -46,9 +48,8 @@ plan until this grid has completed):
   may still be running;
 - scores: 8 lanes per key block j < n (n = the tile's candidates) each dot a slice of
   ``qbar[h]`` with ``kbar[j]`` and reduce by shuffles; the score becomes the ranking
-  key of ``cosa.proxy.order``, ``rank_base[tile, j] + score code << RANK_BLOCK_BITS``, in
-  shared memory (one definition of the order: the priorities come from the plan's
-  ``rank_base``, the code is ``order._score_code`` for float32);
+  key of ``rank_key``, in shared memory (``_unscored_key`` and ``_score_code`` are
+  ``cosa.proxy.order``'s ``unscored_keys`` and, for float32, ``_score_code``);
 - a bitonic sort, descending, of each head's keys padded with INT64_MIN to
   ``width = max(8, next power of two of n)``, all heads of a pass at once.  Each thread
   holds 8 keys whose indices differ in three bits and runs up to three compare-exchange
@@ -83,8 +84,9 @@ from .osk import (CONFIGS, _HAVE_TVM_FFI, _Operands, _check_shapes, _check_vecto
                   _dtype_name, _fake_tensor, _launch, _BoundTensors, _plan_tables, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_or_compile
-from .plan_layout import (BLOCK_SIZE, QT_NUM_CANDIDATES, QT_NUM_SELECTED, QT_REQUEST, QT_ROW_START,
-                          QT_ROWS, RANK_BLOCK_BITS)
+from .plan_layout import (BLOCK_SIZE, QT_LOCAL_FIRST, QT_LOCAL_LAST, QT_NUM_CANDIDATES, QT_NUM_SELECTED,
+                          QT_REQUEST, QT_ROW_START, QT_ROWS)
+from .rank_key import BLOCK_BITS, LOCAL_FIRST, LOCAL_LAST, PRIORITY_SHIFT, SCORED, SINK
 
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
@@ -223,8 +225,8 @@ class KAPRank:
 
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
-                 mRankBase: cute.Tensor, mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor,
-                 mOrder: cute.Tensor, stream: cuda.CUstream):
+                 mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
+                 max_request_blocks: Int32, force_local: Int32, force_sink: Int32, stream: cuda.CUstream):
         @cute.struct
         class SharedStorage:
             qbar: cute.struct.Align[cute.struct.MemRange[Float32, MAX_PASS_HEADS * self.head_dim], 16]
@@ -233,15 +235,17 @@ class KAPRank:
             # last: a launch for longer requests extends it past the struct (_key_slots)
             keys: cute.struct.Align[cute.struct.MemRange[Int64, KEY_SLOTS], 128]
 
-        extra_keys = _key_slots(mRankBase.shape[1]) - KEY_SLOTS
-        self.kernel(mQ, mQbar, mKbar, mRankBase, mQtiles, mKvBlockIndptr, mOrder, SharedStorage).launch(
+        extra_keys = _key_slots(max_request_blocks) - KEY_SLOTS
+        self.kernel(mQ, mQbar, mKbar, mQtiles, mKvBlockIndptr, mOrder, max_request_blocks, force_local,
+                    force_sink, SharedStorage).launch(
             grid=[mQtiles.shape[0], mKbar.shape[1], 1], block=[RANK_THREADS, 1, 1],
             smem=SharedStorage.size_in_bytes() + extra_keys * 8, stream=stream, use_pdl=True)
 
     @cute.kernel
     def kernel(self, mQ: cute.Tensor, mQbar: cute.Tensor, mKbar: cute.Tensor,
-               mRankBase: cute.Tensor, mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor,
-               mOrder: cute.Tensor, SharedStorage: cutlass.Constexpr):
+               mQtiles: cute.Tensor, mKvBlockIndptr: cute.Tensor, mOrder: cute.Tensor,
+               max_request_blocks: Int32, force_local: Int32, force_sink: Int32,
+               SharedStorage: cutlass.Constexpr):
         # OSK may launch as soon as every CTA of this grid has: its CTAs set up meanwhile
         cute.arch.griddepcontrol_launch_dependents()
         D = self.head_dim
@@ -257,7 +261,7 @@ class KAPRank:
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(SharedStorage)
-        key_slots = _key_slots(mRankBase.shape[1])
+        key_slots = _key_slots(max_request_blocks)
         keys = storage.keys.get_tensor(cute.make_layout(key_slots))
         sQbar = storage.qbar.get_tensor(cute.make_layout((D, MAX_PASS_HEADS)))
         partial = storage.partial.get_tensor(self.mean.partial_layout())
@@ -298,22 +302,24 @@ class KAPRank:
                 if (i & (width - 1)) >= num_candidates:
                     keys[_slot(i)] = Int64(INT64_MIN)
             cute.arch.barrier()
-            self._score(mKbar, mRankBase, sQbar, keys, tile, kv_head, first_block, num_candidates,
-                        heads, width)
+            self._score(mKbar, mQtiles, sQbar, keys, tile, kv_head, first_block, num_candidates,
+                        heads, width, force_local, force_sink)
             cute.arch.barrier()
             self._sort(keys, heads * width, log_width)
             for h in cutlass.range(heads, unroll=1):
                 for s in cutlass.range(tidx, k_max, RANK_THREADS, unroll=1):
                     block = Int32(-1)
                     if s < num_selected:
-                        block = Int32(keys[_slot(h * width + s)] & ((1 << RANK_BLOCK_BITS) - 1))
+                        block = Int32(keys[_slot(h * width + s)] & ((1 << BLOCK_BITS) - 1))
                     mOrder[tile, first_head + h, s] = block
 
     @cute.jit
-    def _score(self, mKbar, mRankBase, sQbar, keys, tile, kv_head, first_block, num_candidates,
-               heads, width):
+    def _score(self, mKbar, mQtiles, sQbar, keys, tile, kv_head, first_block, num_candidates,
+               heads, width, force_local, force_sink):
         """keys[h * width + j] = ranking key of block j for the pass's head h, j < n."""
         tidx, _, _ = cute.arch.thread_idx()
+        local_first = mQtiles[tile, QT_LOCAL_FIRST]
+        local_last = mQtiles[tile, QT_LOCAL_LAST]
         lane = tidx % LANES_PER_BLOCK
         # this lane's columns of kbar[j] and qbar[h]: float4 chunks lane, lane + 8, ...
         k_part = cute.make_rmem_tensor((4, self.lane_chunks), Float32)
@@ -324,7 +330,7 @@ class KAPRank:
             valid = j < num_candidates
             base = Int64(0)
             if valid:
-                base = mRankBase[tile, j]
+                base = _unscored_key(j, local_first, local_last, force_local, force_sink)
                 for c in cutlass.range_constexpr(self.lane_chunks):
                     cute.autovec_copy(
                         cute.local_tile(mKbar[first_block + j, kv_head, None], (4,), (lane + c * LANES_PER_BLOCK,)),
@@ -341,7 +347,7 @@ class KAPRank:
                 for offset in (4, 2, 1):
                     score = score + cute.arch.shuffle_sync_bfly(score, offset=offset)
                 if valid and lane == 0:
-                    keys[_slot(h * width + j)] = base + (Int64(_score_code(score)) << RANK_BLOCK_BITS)
+                    keys[_slot(h * width + j)] = base + (Int64(_score_code(score)) << BLOCK_BITS)
 
     @cute.jit
     def _sort(self, keys, size, log_width):
@@ -379,8 +385,8 @@ class KAPRank:
 
 @cute.jit
 def _key_slots(max_request_blocks):
-    """KAPRank's int64 key slots for requests of at most ``max_request_blocks`` key blocks
-    (rank_base's width): KEY_SLOTS, or for longer requests MAX_KEY_BLOCKS, whose 128 KB leave
+    """KAPRank's int64 key slots for requests of at most ``max_request_blocks`` key blocks:
+    KEY_SLOTS, or for longer requests MAX_KEY_BLOCKS, whose 128 KB leave
     an SM room for one CTA instead of four."""
     return cutlass.select_(max_request_blocks > KEY_SLOTS, Int32(MAX_KEY_BLOCKS), Int32(KEY_SLOTS))
 
@@ -390,6 +396,19 @@ def _slot(i):
     """Shared-memory slot of key ``i``: the low 4 bits XOR the next 4, so that the 8-byte keys
     a warp touches in any sort round spread evenly over the banks."""
     return i ^ ((i >> 4) & 15)
+
+
+@cute.jit
+def _unscored_key(j, local_first, local_last, force_local, force_sink):
+    """``cosa.proxy.order.unscored_keys`` of candidate block ``j``: its priority and index."""
+    priority = Int64(SCORED)
+    if force_sink != 0 and j == 0:
+        priority = Int64(SINK)
+    if force_local != 0 and j == local_last:
+        priority = Int64(LOCAL_LAST)
+    if force_local != 0 and j == local_first:
+        priority = Int64(LOCAL_FIRST)
+    return (priority << PRIORITY_SHIFT) | Int64(j)
 
 
 @cute.jit
@@ -416,8 +435,8 @@ def _fake_pool_args(dtype_name: str):
 
 def _fake_rank_args(dtype_name: str):
     q = _fake_tensor(_cutlass_dtype(dtype_name), 3, vectorized=True)
-    return (q, _fake_means(), _fake_means(), _fake_tensor(Int64, 2), _fake_tensor(Int32, 2),
-            _fake_tensor(Int32, 1), _fake_tensor(Int32, 3))
+    return (q, _fake_means(), _fake_means(), _fake_tensor(Int32, 2), _fake_tensor(Int32, 1),
+            _fake_tensor(Int32, 3))
 
 
 def _fake_means():
@@ -445,8 +464,8 @@ def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = No
         KAPPool(_cutlass_dtype(dtype_name), head_dim), *_fake_pool_args(dtype_name),
         Int32(4), stream(), options=options))
     rank = _compiled(("rank", dtype_name, head_dim, use_tvm_ffi), lambda: cute.compile(
-        KAPRank(_cutlass_dtype(dtype_name), head_dim), *_fake_rank_args(dtype_name), stream(),
-        options=options))
+        KAPRank(_cutlass_dtype(dtype_name), head_dim), *_fake_rank_args(dtype_name), Int32(1), Int32(1),
+        Int32(1), stream(), options=options))
     return pool, rank
 
 
@@ -458,31 +477,37 @@ class Launcher:
     write, and the operands' extents are checked once, here; each call checks q and the cache
     and launches (``osk.Launcher`` does the same for OSK)."""
 
-    def __init__(self, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order, *,
-                 num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
-                 kv_layout: str = "NHD"):
+    def __init__(self, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
+                 max_request_blocks: int, force_local: bool, force_sink: bool, num_qo_heads: int,
+                 num_kv_heads: int, head_dim: int, page_size: int, dtype, kv_layout: str = "NHD"):
         import torch
 
         from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
 
         self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
         self.operands.check(_WHO)
-        if not supported(head_dim, dtype, rank_base.shape[-1]):
+        if not supported(head_dim, dtype, max_request_blocks):
             raise ValueError(f"{_WHO}: no kernel for head_dim={head_dim}, dtype={dtype}, "
-                             f"{rank_base.shape[-1]} key blocks (at most {MAX_KEY_BLOCKS})")
+                             f"{max_request_blocks} key blocks (at most {MAX_KEY_BLOCKS})")
+        # the key slots each CTA takes follow from it: the plan's, never smaller than a request
+        if isinstance(max_request_blocks, bool) or not isinstance(max_request_blocks, int) or not (
+                0 <= max_request_blocks <= block_pages.shape[0]):
+            raise ValueError(f"{_WHO}: max_request_blocks must be the plan's, an int in [0, "
+                             f"{block_pages.shape[0]}] (the batch's key blocks), got {max_request_blocks!r}")
         nq = qtiles.shape[0]
         _check_shapes(_WHO, {
             **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
-            "rank_base": (rank_base, torch.int64, (nq, None)), "qbar": (qbar, torch.float32, (nq, num_qo_heads, head_dim)),
+            "qbar": (qbar, torch.float32, (nq, num_qo_heads, head_dim)),
             "kbar": (kbar, torch.float32, (block_pages.shape[0], num_kv_heads, head_dim))})
         _check_vector_rows(_WHO, "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
         _check_vector_rows(_WHO, "kbar", kbar)
         outputs = {"qbar": qbar, "kbar": kbar, "order": order}
         check_apart(outputs, {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "kv_lens": kv_lens,
-                              "qtiles": qtiles, "rank_base": rank_base}, who=_WHO)
+                              "qtiles": qtiles}, who=_WHO)
         self.k_max = order.shape[-1]
         self._pool_bound = _BoundTensors(block_pages, kv_block_indptr, kv_lens, kbar)
-        self._rank_bound = _BoundTensors(qbar, kbar, rank_base, qtiles, kv_block_indptr, order)
+        self._rank_bound = _BoundTensors(qbar, kbar, qtiles, kv_block_indptr, order)
+        self._rank_scalars = (max_request_blocks, int(bool(force_local)), int(bool(force_sink)))
         self._output_spans = tuple(byte_span(name, t) for name, t in outputs.items())
 
     def __call__(self, q, k_cache) -> None:
@@ -495,13 +520,13 @@ class Launcher:
         name, D = _dtype_name(self.operands.dtype), self.operands.head_dim
         (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))
         _launch(pool, source, (k,), self._pool_bound, (self.operands.page_shift,))
-        _launch(rank, source, (q,), self._rank_bound)
+        _launch(rank, source, (q,), self._rank_bound, self._rank_scalars)
 
 
-def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar,
-              order, *, kv_layout: str = "NHD") -> None:
+def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
+              max_request_blocks: int, force_local: bool, force_sink: bool, kv_layout: str = "NHD") -> None:
     """Launch the two KAP kernels (see the module docstring for the contract): a ``Launcher``
     bound to these tables for one call."""
     operands = _Operands.of(_WHO, q, k_cache, kv_layout)
-    Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, rank_base, qbar, kbar, order,
-             **operands._asdict())(q, k_cache)
+    Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, max_request_blocks=max_request_blocks,
+             force_local=force_local, force_sink=force_sink, **operands._asdict())(q, k_cache)

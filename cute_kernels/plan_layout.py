@@ -6,6 +6,5 @@ BLOCK_SIZE = 128  # tokens per logical block (COSA_BLOCK_SIZE)
 MAX_SM_SCALE = 3.4028234663852886e38 / 1.4426950408889634  # float32 max / log2(e) (COSA_MAX_SM_SCALE)
 # columns of the qtiles table (COSA_QT_*)
 QT_REQUEST, QT_INDEX, QT_ROW_START, QT_ROWS, QT_NUM_CANDIDATES = 0, 1, 2, 3, 4
-QT_NUM_SELECTED = 7
+QT_LOCAL_FIRST, QT_LOCAL_LAST, QT_NUM_SELECTED = 5, 6, 7
 QT_COLUMNS = 8
-RANK_BLOCK_BITS = 28  # rank_base's block index bits, below the score code (kRankBlockBits)

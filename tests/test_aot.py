@@ -119,7 +119,8 @@ def test_loader_reports_a_libcosa_built_without_kernels(loader, monkeypatch):
         (None, KernelSource("jit", f"{aot.LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)"))
 
 
-@pytest.mark.parametrize("kernel,scalars", [("osk", (0.125, -2.5, 4, 4, 1, 7)), ("kap_pool", (3,)), ("kap_rank", ())])
+@pytest.mark.parametrize("kernel,scalars", [("osk", (0.125, -2.5, 4, 4, 1, 7)), ("kap_pool", (3,)),
+                                            ("kap_rank", (9, 0, 1))])
 def test_loaded_kernel_passes_libcosa_its_words_scalars_and_stream(loader, monkeypatch, kernel, scalars):
     calls = []
     monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
@@ -145,7 +146,7 @@ def test_tensor_words_are_each_tensors_address_extents_and_strides():
 
 
 @pytest.mark.parametrize("kernel,count,scalars", [("osk", 14, (0.125, 0.0, 4, 4, 1, 1)), ("kap_pool", 5, (4,)),
-                                                  ("kap_rank", 7, ())])
+                                                  ("kap_rank", 6, (3, 1, 1))])
 def test_libcosa_launchers_refuse_what_they_cannot_describe(kernel, count, scalars):
     # checked by cosa._C before libcosa is asked to launch, built with the kernels or not
     launch = getattr(cosa._C, f"launch_{kernel}")
@@ -518,6 +519,24 @@ def test_run_ranks_past_the_small_sort_as_python_does(c_api):
         python_plan = cosa.plan(*(torch.from_numpy(a).cuda() for a in c_api.page_table), 4, 2, 128, 128,
                                 budget=0.25, delta=0.05)
         assert python_plan.rank_kernel is not None
+        torch.testing.assert_close(o, cosa.run(python_plan, q, cache), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+@pytest.mark.parametrize("force_local,force_sink", [(True, False), (False, True), (False, False)])
+def test_run_forces_the_blocks_the_plan_says_as_python_does(c_api, force_local, force_sink):
+    # cosa_run's own order mask with some forced blocks off: bitwise Python's run
+    tokens = 3000
+    flags = {"force_local": force_local, "force_sink": force_sink}
+    with c_api.plan(c_api.plan_args(tokens, budget=0.1, **flags)) as plan:
+        q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
+        cache = torch.randn(-(-tokens // 128), 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
+        o = torch.full_like(q, float("nan"))
+        assert c_api.run(plan, c_api.run_args(q, cache, o), torch.cuda.current_stream().cuda_stream) == 0, \
+            c_api.error()
+        python_plan = cosa.plan(*(torch.from_numpy(a).cuda() for a in c_api.page_table), 4, 2, 128, 128,
+                                budget=0.1, delta=0.05, **flags)
         torch.testing.assert_close(o, cosa.run(python_plan, q, cache), rtol=0, atol=0)
 
 

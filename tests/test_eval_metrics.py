@@ -58,18 +58,21 @@ def test_block_mass_matches_a_loop_over_rows(q_len, kv_len, causal):
                                rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("force_local,force_sink", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("ordering", ["ascending", "random"])
-def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering):
+def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering, force_local, force_sink):
     g = torch.Generator().manual_seed(torch.seed())
     n = 1500
     q, k = torch.randn(n, 2, 64, generator=g), torch.randn(n, 1, 64, generator=g)
+    flags = {"force_local": force_local, "force_sink": force_sink}
     plan = cosa.plan(*uniform_page_table(1, n, n, 128, "cpu"), 2, 1, 64, 128, budget=0.6,
-                     q_data_type=torch.float32)
+                     q_data_type=torch.float32, **flags)
     order = torch.empty_like(plan.order)
-    proxy_order(q, k, plan.qtiles, plan.rank_base, order)
-    moved = reorder_scored_blocks(order, plan.qtiles, plan.rank_base, ordering, g)
+    proxy_order(q, k, plan.qtiles, order, **flags)
+    moved = reorder_scored_blocks(order, plan, ordering, g)
     for tile in range(order.shape[0]):
-        forced = 1 + (tile > 0)                          # the diagonal block, then the sink
+        # the diagonal block, then the sink (the first tile's diagonal block)
+        forced = force_local + (force_sink and (tile > 0 or not force_local))
         selected = int(plan.qtiles[tile, cosa._C.QT_NUM_SELECTED])
         for h in range(2):
             assert moved[tile, h, :forced].tolist() == order[tile, h, :forced].tolist()

@@ -44,10 +44,10 @@ def check_means(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                                msg=lambda message: f"{what}: {message}")
 
 
-def check_rows(got, want, qtiles, rank_base, scores, magnitudes, where: str) -> None:
+def check_rows(got, want, qtiles, forced, scores, magnitudes, where: str) -> None:
     """One request's order rows ``got`` against the float64 reference ``want`` [tiles, hq, k_max];
-    ``scores`` / ``magnitudes`` [hq, tiles, blocks]: float64 scores and sums of |products|."""
-    forced = is_forced(rank_base)
+    ``forced`` [tiles, blocks]: the blocks visited first; ``scores`` / ``magnitudes`` [hq, tiles,
+    blocks]: float64 scores and sums of |products|."""
     for t in range(got.shape[0]):
         n, selected = int(qtiles[t, _C.QT_NUM_CANDIDATES]), int(qtiles[t, _C.QT_NUM_SELECTED])
         num_forced = int(forced[t, :n].sum())
@@ -70,7 +70,8 @@ def check_rows(got, want, qtiles, rank_base, scores, magnitudes, where: str) -> 
 
 
 def check(plan, batch, order: torch.Tensor) -> None:
-    qtiles, rank_base, kv_block_indptr = plan.qtiles.cpu(), plan.rank_base.cpu(), plan.kv_block_indptr.cpu()
+    qtiles, kv_block_indptr = plan.qtiles.cpu(), plan.kv_block_indptr.cpu()
+    flags = {"force_local": plan.force_local, "force_sink": plan.force_sink}
     qbar, kbar = plan.qbar.cpu(), plan.kbar.cpu()
     for r, (q, k, _) in enumerate(batch.requests):
         if q.shape[0] == 0:
@@ -81,13 +82,13 @@ def check(plan, batch, order: torch.Tensor) -> None:
         check_means(qbar[tiles], qbar64, f"request {r} qbar")
         check_means(kbar[int(kv_block_indptr[r]):int(kv_block_indptr[r + 1])], kbar64, f"request {r} kbar")
         want = torch.full_like(order[tiles], POISON)
-        proxy_order(q64, k64, qtiles[tiles], rank_base[tiles], want, causal=plan.causal)
-        check_rows(order[tiles], want, qtiles[tiles], rank_base[tiles], grouped_products(qbar64, kbar64),
-                   grouped_products(qbar64.abs(), kbar64.abs()), f"request {r}")
+        proxy_order(q64, k64, qtiles[tiles], want, causal=plan.causal, **flags)
+        check_rows(order[tiles], want, qtiles[tiles], is_forced(qtiles[tiles], kbar64.shape[1], **flags),
+                   grouped_products(qbar64, kbar64), grouped_products(qbar64.abs(), kbar64.abs()), f"request {r}")
 
 
 def run_case(*, dtype, head_dim, page_size, layout, group, budget, q_lens, kv_lens, combined=True,
-             num_qo_heads=8):
+             num_qo_heads=8, force_local=True, force_sink=True):
     seed = torch.seed()
     print(f"seed={seed}")
     g = torch.Generator().manual_seed(seed)
@@ -97,7 +98,8 @@ def run_case(*, dtype, head_dim, page_size, layout, group, budget, q_lens, kv_le
     cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
     plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
                      batch.kv_last_page_len.cuda(), num_qo_heads, num_kv_heads, head_dim, page_size,
-                     budget=budget, q_data_type=dtype, kv_layout=layout)
+                     budget=budget, q_data_type=dtype, kv_layout=layout, force_local=force_local,
+                     force_sink=force_sink)
     assert plan.rank_kernel is not None, "cosa.plan did not pick the KAP kernel for a supported configuration"
     plan.order.fill_(POISON)
     plan.qbar.fill_(float("nan"))
@@ -129,6 +131,12 @@ SWEEP = [
 def test_order_matches_float64_proxy(dtype, head_dim, page_size, layout, group, combined, budget):
     run_case(dtype=dtype, head_dim=head_dim, page_size=page_size, layout=layout, group=group,
              combined=combined, budget=budget, q_lens=RAGGED_Q, kv_lens=RAGGED_KV)
+
+
+@pytest.mark.parametrize("force_local,force_sink", [(True, False), (False, True), (False, False)])
+def test_forced_blocks_as_the_plan_says(force_local, force_sink):
+    run_case(dtype=torch.bfloat16, head_dim=128, page_size=64, layout="NHD", group=4, budget=0.1,
+             q_lens=RAGGED_Q, kv_lens=RAGGED_KV, force_local=force_local, force_sink=force_sink)
 
 
 def test_group_ranked_in_four_passes():

@@ -59,7 +59,7 @@ def test_the_build_exports_every_config():
 
 def test_the_kernels_read_the_plan_s_layout():
     names = [name for name in vars(plan_layout) if name.isupper()]
-    assert len(names) == 10
+    assert len(names) == 11
     assert {name: getattr(plan_layout, name) for name in names} == {name: getattr(_C, name) for name in names}
 
 
@@ -105,8 +105,7 @@ def _runtime_args():
                 tables["block_pages"], tables["kv_block_indptr"], tables["qo_lens"], tables["kv_lens"],
                 tables["qtiles"], tables["tile_order"], tables["order"], tables["counts"], tables["counts"])
     pool_args = (cache[:, 0], tables["block_pages"], tables["kv_block_indptr"], tables["kv_lens"], means)
-    rank_args = (q, means, means, torch.zeros(2, 6, dtype=torch.int64), tables["qtiles"],
-                 tables["kv_block_indptr"], tables["order"])
+    rank_args = (q, means, means, tables["qtiles"], tables["kv_block_indptr"], tables["order"])
     return {"osk": (osk._fake_args("bfloat16"), osk_args),
             "kap pool": (kap._fake_pool_args("bfloat16"), pool_args),
             "kap rank": (kap._fake_rank_args("bfloat16"), rank_args)}
@@ -247,16 +246,20 @@ def _kap_args(**change):
     args = {"q": torch.zeros(128, 4, 128, dtype=bf16), "k_cache": torch.zeros(8, 16, 2, 128, dtype=bf16),
             "block_pages": torch.zeros(1, 8, dtype=i32), "kv_block_indptr": torch.tensor([0, 1], dtype=i32),
             "kv_lens": torch.tensor([128], dtype=i32), "qtiles": torch.zeros(1, 8, dtype=i32),
-            "rank_base": torch.zeros(1, 1, dtype=torch.int64), "qbar": torch.zeros(1, 4, 128, dtype=f32),
-            "kbar": torch.zeros(1, 2, 128, dtype=f32), "order": torch.zeros(1, 4, 1, dtype=i32)}
+            "qbar": torch.zeros(1, 4, 128, dtype=f32), "kbar": torch.zeros(1, 2, 128, dtype=f32),
+            "order": torch.zeros(1, 4, 1, dtype=i32), "max_request_blocks": 1, "force_local": True,
+            "force_sink": True}
     args.update(change)
     return args
 
 
 @pytest.mark.parametrize("change,error,match", [
     ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
-    ({"rank_base": torch.zeros(1, kap.MAX_KEY_BLOCKS + 1, dtype=torch.int64)}, ValueError,
+    ({"max_request_blocks": kap.MAX_KEY_BLOCKS + 1}, ValueError,
      rf"{kap.MAX_KEY_BLOCKS + 1} key blocks \(at most {kap.MAX_KEY_BLOCKS}\)"),
+    *(({"max_request_blocks": bad}, ValueError,
+       rf"max_request_blocks must be the plan's, an int in \[0, 1\] \(the batch's key blocks\), got {bad}")
+      for bad in (2, -1, 1.0, True)),
     ({"k_cache": torch.zeros(8, 8, 2, 128, dtype=torch.bfloat16)}, ValueError, r"page_size must be .* got 8"),
     ({"k_cache": torch.zeros(8, 16, 2, 128, dtype=torch.float16)}, TypeError,
      r"k_cache must have dtype torch.bfloat16"),
@@ -265,8 +268,6 @@ def _kap_args(**change):
     ({"qbar": torch.zeros(1, 4, 128, dtype=torch.bfloat16)}, TypeError, r"qbar must have dtype torch.float32"),
     ({"qbar": torch.zeros(4 * 128 + 1)[1:].view(1, 4, 128)}, ValueError, r"qbar needs a contiguous, 16-byte aligned"),
     ({"kbar": torch.zeros(2, 2, 128)}, ValueError, r"kbar must have shape \[1, 2, 128\]"),
-    ({"rank_base": torch.zeros(1, 1, dtype=torch.int32)}, TypeError, r"rank_base must have dtype torch.int64"),
-    ({"rank_base": torch.zeros(1, dtype=torch.int64)}, ValueError, r"rank_base must have shape \[1, \*\]"),
     ({"order": torch.zeros(1, 4, 1, dtype=torch.int64)}, TypeError, r"order must have dtype torch.int32"),
     ({"k_cache": torch.zeros(8, 16, 2, 64, dtype=torch.bfloat16)}, ValueError, r"k_cache must be \[8, 16, 2, 128\]"),
     ({"order": torch.zeros(1, 1, 1, dtype=torch.int32).expand(1, 4, 1)}, ValueError, r"kap_order: order's elements overlap"),
@@ -300,7 +301,7 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     monkeypatch.setattr(kap, "_launch", lambda fn, source, tensors, bound, scalars=(): calls.append(
         len(tensors) + len(bound.tensors)))
     kap.kap_order(**_kap_args())
-    assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 7]
+    assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 6]
 
 
 def _osk_launcher(args: dict) -> osk.Launcher:
@@ -369,11 +370,11 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
     cache = torch.randn(40, 2, page, 2, 128).bfloat16()
     out, lse = torch.empty_like(q), torch.empty(sum(lens), 8)
     cosa.run(plan, q, cache, out=out, lse=lse)
-    (pool, pool_tensors, pool_scalars), (rank, rank_tensors, _), (forward, tensors, scalars) = launches
+    (pool, pool_tensors, pool_scalars), (rank, rank_tensors, rank_scalars), (forward, tensors, scalars) = launches
     assert (pool, rank, forward) == ("kap_pool", "kap_rank", "osk")
     k, v = cache[:, 0], cache[:, 1]
     for launched, expected in ((pool_tensors, (k, plan.block_pages, plan.kv_block_indptr, plan.kv_lens, plan.kbar)),
-                               (rank_tensors, (q, plan.qbar, plan.kbar, plan.rank_base, plan.qtiles,
+                               (rank_tensors, (q, plan.qbar, plan.kbar, plan.qtiles,
                                                plan.kv_block_indptr, plan.order)),
                                (tensors, (q, k, v, out, lse, plan.block_pages, plan.kv_block_indptr, plan.qo_lens,
                                           plan.kv_lens, plan.qtiles, plan.tile_order, plan.order, plan.computed,
@@ -381,6 +382,7 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
         assert [(t.data_ptr(), t.shape, t.stride()) for t in launched] == \
             [(t.data_ptr(), t.shape, t.stride()) for t in expected]
     assert pool_scalars == (4,)
+    assert rank_scalars == (3, 1, 1)   # the longest request's key blocks, force_local, force_sink
     assert scalars == (plan.sm_scale, math.log(0.5), 4, 4, 1, plan.tile_order.shape[0])
 
 

@@ -15,6 +15,7 @@ import torch
 import cosa
 from cosa.paged import uniform_page_table
 from cosa.proxy import PROXIES, cumulative_threshold_counts
+from cosa.cute_kernels import rank_key
 from cosa.proxy.order import order_from_scores
 from cosa.synthetic import structured_qkv
 
@@ -169,20 +170,32 @@ def test_cumulative_threshold_counts():
     assert cumulative_threshold_counts(probabilities, 0.5).tolist() == [1, 2]
 
 
+def test_the_ranking_key_s_fields_hold_their_values_apart():
+    # a block index of any int32 kv_len, a signed int32 score code and the top priority
+    assert 2**rank_key.BLOCK_BITS >= -(-(2**31 - 1) // BLOCK)
+    assert rank_key.PRIORITY_SHIFT >= rank_key.BLOCK_BITS + 32
+    top = max(rank_key.NOT_CANDIDATE, rank_key.SCORED, rank_key.SINK, rank_key.LOCAL_LAST, rank_key.LOCAL_FIRST)
+    assert (top + 1) << rank_key.PRIORITY_SHIFT <= 2**63
+
+
+@pytest.mark.parametrize("force_local,force_sink", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_order_breaks_score_ties_by_the_larger_block_and_ties_signed_zeros(dtype):
+def test_order_puts_forced_blocks_first_breaks_score_ties_by_the_larger_block_and_ties_signed_zeros(
+        dtype, force_local, force_sink):
     g = torch.Generator().manual_seed(torch.seed())
-    q_len = kv_len = 1500
-    plan = cosa.plan(*uniform_page_table(1, q_len, kv_len, 128, "cpu"), HQ, HKV, D, 128,
-                     budget=0.5, q_data_type=dtype)
+    q_len, kv_len = 1500, 1500 + int(torch.randint(0, 300, (), generator=g))   # diagonals across blocks
+    plan = cosa.plan(*uniform_page_table(1, q_len, kv_len, 128, "cpu"), HQ, HKV, D, 128, budget=0.5,
+                     q_data_type=dtype, force_local=force_local, force_sink=force_sink)
     tiles, blocks = plan.qtiles.shape[0], -(-kv_len // BLOCK)
     scores = torch.randint(-2, 3, (HQ, tiles, blocks), generator=g).to(dtype)   # many ties
     scores[torch.rand(scores.shape, generator=g) < 0.3] = -0.0
     scores[0, -1, :3] = torch.tensor([-math.inf, math.inf, 0.0])
-    order_from_scores(scores, plan.qtiles, plan.rank_base, plan.order)
-    schedule = oracle.tile_schedule(q_len, kv_len, True, 0.5, True, True)
+    plan.order.fill_(-7)
+    order_from_scores(scores, plan.qtiles, plan.order, force_local=force_local, force_sink=force_sink)
+    schedule = oracle.tile_schedule(q_len, kv_len, True, 0.5, force_local, force_sink)
     for i, (candidates, local, selected) in enumerate(schedule):
-        forced = local + ([0] if 0 not in local else [])
+        forced = local if force_local else []
+        forced = forced + ([0] if force_sink and 0 not in forced else [])
         for h in range(HQ):
             rest = sorted((j for j in range(candidates) if j not in forced),
                           key=lambda j: (float(scores[h, i, j]), j), reverse=True)

@@ -16,8 +16,6 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 TABLE_ARGS = ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len")
 ARRAYS = ("qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order")
 KV_L2_BYTES = 16 << 20  # the K and V the tile order lets one group of kv heads keep in L2
-# rank_base's visiting priorities, highest first (docs/design.md, "Visiting order")
-LOCAL_FIRST, LOCAL_LAST, SINK, SCORED, NOT_CANDIDATE = 4, 3, 2, 1, 0
 
 
 # ---------------------------------------------------------------- the model
@@ -87,21 +85,6 @@ def model_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size,
     tile_order = sorted(work, key=lambda item: (item[1] // heads_per_group, -qtiles[item[0]][7],
                                                 item[0], item[1]))
 
-    # the ranking key without the score: priority * 2**60 + block index, over the longest request
-    width = max(num_blocks, default=0)
-    rank_base = []
-    for _, _, _, _, candidates, local_first, local_last, _ in qtiles:
-        for j in range(width):
-            if force_local and j == local_first:
-                priority = LOCAL_FIRST
-            elif force_local and j == local_last:
-                priority = LOCAL_LAST
-            elif force_sink and j == 0:
-                priority = SINK
-            else:
-                priority = SCORED if j < candidates else NOT_CANDIDATE
-            rank_base.append(priority * 2**60 + j)
-
     def table(rows, columns):
         return np.array(rows, dtype=np.int32).reshape(-1, columns)
 
@@ -112,8 +95,8 @@ def model_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size,
         "block_pages": table(block_pages, pages_per_block),
         "qtiles": table(qtiles, 8),
         "tile_order": table(tile_order, 2),
-        "rank_base": np.array(rank_base, dtype=np.int64).reshape(len(qtiles), width),
         "k_max": max((row[7] for row in qtiles), default=0),
+        "max_request_blocks": max(num_blocks, default=0),
         "pages_per_block": pages_per_block,
         "num_qo_heads": num_qo_heads,
     }
@@ -194,9 +177,7 @@ def assert_plans_equal(plan, expected):
         assert plan[name].dtype == np.int32, name
         assert plan[name].shape == expected[name].shape, name
         np.testing.assert_array_equal(plan[name], expected[name], err_msg=name)
-    assert plan["rank_base"].dtype == np.int64 and plan["rank_base"].shape == expected["rank_base"].shape
-    np.testing.assert_array_equal(plan["rank_base"], expected["rank_base"], err_msg="rank_base")
-    for name in ("k_max", "pages_per_block", "num_qo_heads"):
+    for name in ("k_max", "max_request_blocks", "pages_per_block", "num_qo_heads"):
         assert plan[name] == expected[name], name
 
 
@@ -230,7 +211,6 @@ def test_qtile_columns_match_the_design():
              "NUM_SELECTED"]
     assert [getattr(_C, f"QT_{name}") for name in names] == list(range(8))
     assert _C.QT_COLUMNS == 8 and _C.BLOCK_SIZE == BLOCK and _C.PAGE_SIZES == PAGE_SIZES
-    assert (_C.RANK_BLOCK_BITS, _C.RANK_PRIORITY_SHIFT, _C.RANK_SCORED) == (28, 60, SCORED)
 
 
 def test_budget_epsilon_keeps_exact_products_exact():
@@ -247,7 +227,7 @@ def test_empty_batch():
                          head_dim=64, causal=True, budget=0.5, force_local=True, force_sink=True)
     assert plan["k_max"] == 0
     assert [plan[name].shape for name in ARRAYS] == [(0,), (0,), (1,), (0, 8), (0, 8), (0, 2)]
-    assert plan["rank_base"].shape == (0, 0)
+    assert plan["max_request_blocks"] == 0
     assert _C.resolve_order(plan, np.zeros((0, 4, 0), np.int32)).shape == (0, 4, 0, 8)
 
 
@@ -265,7 +245,7 @@ def test_tile_order_groups_kv_heads_to_fit_l2():
 
 def test_tables_are_writable_contiguous_arrays():  # what torch.from_numpy wants
     plan = build(valid_case())
-    assert all(plan[name].flags.writeable and plan[name].flags.c_contiguous for name in (*ARRAYS, "rank_base"))
+    assert all(plan[name].flags.writeable and plan[name].flags.c_contiguous for name in ARRAYS)
 
 
 @pytest.mark.parametrize("convert", [
@@ -354,15 +334,6 @@ def test_kv_len_beyond_int32_is_rejected():
         _C.build_plan([0, 0], [0, pages], np.zeros(pages, np.int32), [256], num_pages=1,
                       page_size=256, num_qo_heads=1, num_kv_heads=1, head_dim=64, causal=True,
                       budget=1.0, force_local=True, force_sink=True)
-
-
-def test_ranking_table_beyond_int32_is_rejected():
-    # one request of 2**23 tokens: 2**16 query tiles, each ranking 2**16 key blocks
-    pages = 2**23 // 256
-    with pytest.raises(ValueError, match=r"^qo_indptr, kv_indptr: 65536 query tiles and 65536 key blocks"):
-        _C.build_plan([0, 2**23], [0, pages], np.arange(pages, dtype=np.int32), [256], num_pages=pages,
-                      page_size=256, num_qo_heads=1, num_kv_heads=1, head_dim=64, causal=True,
-                      budget=1e-9, force_local=True, force_sink=True)
 
 
 BAD_DTYPES = {

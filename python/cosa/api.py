@@ -111,9 +111,6 @@ class Plan:
     block_pages: torch.Tensor
     qtiles: torch.Tensor
     tile_order: torch.Tensor
-    # [num_qtiles, key blocks of the longest request] int64: the proxy's ranking keys without
-    # the scores (visiting priority and block index; docs/design.md, "Plan tensors")
-    rank_base: torch.Tensor
     # buffers written by run
     order: torch.Tensor      # [num_qtiles, num_qo_heads, k_max]
     computed: torch.Tensor   # [num_qtiles, num_qo_heads]
@@ -301,7 +298,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
 
     bind_osk = osk_launcher(device, head_dim, q_data_type, kv_data_type)
-    bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, tables["rank_base"].shape[1])
+    max_request_blocks = tables["max_request_blocks"]
+    bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, max_request_blocks)
     pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if bind_kap else (0, 0)
     (order, computed, skipped, lse, qbar, kbar), workspace_bytes = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
@@ -311,7 +309,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
         ((pooled_blocks, num_kv_heads, head_dim), torch.float32)])
 
     on_device = {name: torch.from_numpy(tables[name]).to(device) for name in (
-        "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order", "rank_base")}
+        "qo_lens", "kv_lens", "kv_block_indptr", "block_pages", "qtiles", "tile_order")}
     # the launchers check the tables and buffers once, bound to them; each run checks its operands
     operands = dict(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                     page_size=page_size, dtype=q_data_type, kv_layout=kv_layout)
@@ -322,7 +320,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
             order, computed, skipped, causal=causal, **operands)
     if bind_kap:
         rank_kernel = bind_kap(*(on_device[name] for name in (
-            "block_pages", "kv_block_indptr", "kv_lens", "qtiles", "rank_base")), qbar, kbar, order, **operands)
+            "block_pages", "kv_block_indptr", "kv_lens", "qtiles")), qbar, kbar, order,
+            max_request_blocks=max_request_blocks, force_local=force_local, force_sink=force_sink, **operands)
 
     new_plan = Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -445,8 +444,8 @@ def _rank(plan: Plan, q: torch.Tensor, k_cache: torch.Tensor) -> None:
         return
     for q_rows, qtile_rows, pages, kv_len in _requests(plan):
         keys = gather_pages(k_cache, plan.kv_layout, pages, kv_len)
-        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.rank_base[qtile_rows],
-                    plan.order[qtile_rows], proxy=plan.proxy, causal=plan.causal, sm_scale=plan.sm_scale)
+        proxy_order(q[q_rows], keys, plan.qtiles[qtile_rows], plan.order[qtile_rows], force_local=plan.force_local,
+                    force_sink=plan.force_sink, proxy=plan.proxy, causal=plan.causal, sm_scale=plan.sm_scale)
 
 
 def order_mask(plan: Plan, q: torch.Tensor, paged_kv_cache) -> torch.Tensor:

@@ -213,13 +213,12 @@ typedef struct cosa_plan cosa_plan;
  * then be run on that device only, from any stream. Where KAP can rank the
  * batch (no request of more than 16384 key blocks, 2M tokens) that memory
  * also holds the proxy's, whether or not the runs pass an order of their own:
- * its ranking table (8 bytes per query tile and key block of the longest
- * request), the float block means of q and K, and the order mask; for one
- * request of 32 query and 8 kv heads of head_dim 128 at budget 0.25: 8 MB,
- * 20 MB and 32 MB at 128K tokens, 0.5 GB, 0.2 GB and 2.1 GB at 1M. Any plan
- * needs an order mask (num_qtiles * num_qo_heads * k_max entries, k_max
- * about budget * key blocks) below 2^31 entries: at 32 query heads and budget
- * 0.25, requests of fewer than 2M tokens.
+ * the float block means of q and K, and the order mask; for one request of 32
+ * query and 8 kv heads of head_dim 128 at budget 0.25: 20 MB and 32 MB at 128K
+ * tokens, 0.2 GB and 2.1 GB at 1M. Any plan needs an order mask
+ * (num_qtiles * num_qo_heads * k_max entries, k_max about budget * key
+ * blocks) below 2^31 entries: at 32 query heads and budget 0.25, requests of
+ * fewer than 2M tokens.
  */
 COSA_API cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out);
 

@@ -17,7 +17,8 @@ import math
 import torch
 
 from .. import _C
-from ..api import plan, run
+from ..api import Plan, plan, run
+from ..blocks import num_blocks
 from ..paged import to_pages, uniform_page_table
 from ..proxy import PROXIES, cumulative_threshold_counts, is_forced, proxy_order
 from ..proxy.flexprefill import flexprefill_scores
@@ -35,15 +36,16 @@ def _contiguous_plan(q, k, **options):
                 q.shape[2], 128, q_data_type=q.dtype, **options)
 
 
-def reorder_scored_blocks(order: torch.Tensor, qtiles: torch.Tensor, rank_base: torch.Tensor, ordering: str,
+def reorder_scored_blocks(order: torch.Tensor, plan_: Plan, ordering: str,
                           generator: torch.Generator | None = None) -> torch.Tensor:
-    """``order`` with its forced prefix kept and the scored blocks after it in ``ordering``:
-    ``descending`` (as listed), ``ascending`` (reversed) or ``random``. ``qtiles`` and
-    ``rank_base`` are the plan's."""
+    """``order``, ``plan_``'s order mask, with its forced prefix kept and the scored blocks
+    after it in ``ordering``: ``descending`` (as listed), ``ascending`` (reversed) or ``random``."""
     if ordering == "descending":
         return order
-    selected = qtiles[:, _C.QT_NUM_SELECTED, None, None].long()
-    forced = (is_forced(rank_base).sum(-1)[:, None, None]).clamp(max=selected)
+    selected = plan_.qtiles[:, _C.QT_NUM_SELECTED, None, None].long()
+    forced = is_forced(plan_.qtiles, num_blocks(max(plan_.kv_lens_host)), force_local=plan_.force_local,
+                       force_sink=plan_.force_sink)
+    forced = forced.sum(-1)[:, None, None].clamp(max=selected)
     position = torch.arange(order.shape[-1], device=order.device).expand(order.shape)
     scored = (position >= forced) & (position < selected)
     if ordering == "ascending":
@@ -76,7 +78,8 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
             candidates = plan_.qtiles[:, _C.QT_NUM_CANDIDATES].double()
             for proxy in proxies:
                 order = torch.empty_like(plan_.order)
-                proxy_order(q, k, plan_.qtiles, plan_.rank_base, order, proxy=proxy, sm_scale=sm_scale)
+                proxy_order(q, k, plan_.qtiles, order, force_local=plan_.force_local,
+                            force_sink=plan_.force_sink, proxy=proxy, sm_scale=sm_scale)
                 selected = order_to_mask(order, kv_blocks)
                 oracle = top_k_mask(mass, selected.sum(-1))
                 records.append({"study": "proxy", **base, "budget": budget, "proxy": proxy,
@@ -86,7 +89,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
                 for ordering in ORDERINGS:
                     if ordering != "descending" and budget not in ordering_budgets:
                         continue
-                    visit_order = reorder_scored_blocks(order, plan_.qtiles, plan_.rank_base, ordering, generator)
+                    visit_order = reorder_scored_blocks(order, plan_, ordering, generator)
                     # the ablation compares orders at equal delta, so descending runs its deltas too
                     ablation_deltas = ordering_deltas if budget in ordering_budgets else ()
                     for delta in sorted({*deltas, *ablation_deltas}) if ordering == "descending" else ablation_deltas:

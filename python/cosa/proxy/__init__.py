@@ -41,20 +41,20 @@ def check_proxy(proxy) -> str:
     return proxy
 
 
-def proxy_order(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, base: torch.Tensor,
-                out: torch.Tensor, *, proxy: str = "kap", causal: bool = True,
+def proxy_order(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor, out: torch.Tensor, *,
+                force_local: bool, force_sink: bool, proxy: str = "kap", causal: bool = True,
                 sm_scale: float | None = None) -> None:
     """Writes the order mask of one request into ``out``.
 
     ``q [q_len, num_qo_heads, d]`` and ``k [kv_len, num_kv_heads, d]`` are the
-    request's queries and keys, ``qtiles`` and ``base`` its rows of the plan's
-    qtile table and ``Plan.rank_base`` (on q's device; ``base`` carries the
-    forced blocks), ``out [tiles, num_qo_heads, k_max]`` int32 receives block
-    indices in visiting order, -1 past each tile's ``num_selected``.
+    request's queries and keys, ``qtiles`` its rows of the plan's qtile table (on
+    q's device), ``force_local`` and ``force_sink`` the plan's; ``out [tiles,
+    num_qo_heads, k_max]`` int32 receives block indices in visiting order, -1 past
+    each tile's ``num_selected``.
     """
     sm_scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
     scores = PROXIES[check_proxy(proxy)](q, k, qtiles, causal=causal, sm_scale=sm_scale)
-    order_from_scores(scores, qtiles, base, out)
+    order_from_scores(scores, qtiles, out, force_local=force_local, force_sink=force_sink)
 
 
 __all__ = ["PROXIES", "block_means", "check_proxy", "cumulative_threshold_counts", "is_forced",

@@ -14,13 +14,8 @@ import torch
 
 from .. import _C
 from ..blocks import BLOCK
-
-# A block's ranking key, an int64 built by the C++ plan (``Plan.rank_base``, docs/design.md
-# "Visiting order"): priority << PRIORITY_SHIFT | score code << BLOCK_BITS | block index, the
-# score code a signed 32-bit integer (see _score_code). Distinct blocks get distinct keys, so
-# top-k needs no tie rule of its own.
-BLOCK_BITS = _C.RANK_BLOCK_BITS
-PRIORITY_SHIFT = _C.RANK_PRIORITY_SHIFT
+from ..cute_kernels.rank_key import (BLOCK_BITS, LOCAL_FIRST, LOCAL_LAST, NOT_CANDIDATE, PRIORITY_SHIFT,
+                                     SCORED, SINK)
 
 
 def block_means(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -50,9 +45,24 @@ def candidate_mask(qtiles: torch.Tensor, num_kv_blocks: int) -> torch.Tensor:
     return blocks[None, :] < qtiles[:, _C.QT_NUM_CANDIDATES, None]
 
 
-def is_forced(rank_base: torch.Tensor) -> torch.Tensor:
-    """Which blocks of ``Plan.rank_base``'s rows are forced (local or sink): visited first."""
-    return (rank_base >> PRIORITY_SHIFT) > _C.RANK_SCORED
+def unscored_keys(qtiles: torch.Tensor, num_kv_blocks: int, *, force_local: bool,
+                  force_sink: bool) -> torch.Tensor:
+    """``[tiles, num_kv_blocks]`` int64: each block's ranking key without its score, the
+    visiting priority and the block index (``cute_kernels.rank_key``); the plan's ``force_*``."""
+    blocks = torch.arange(num_kv_blocks, device=qtiles.device)
+    priority = torch.where(candidate_mask(qtiles, num_kv_blocks), SCORED, NOT_CANDIDATE)
+    if force_sink:
+        priority = torch.where(blocks == 0, SINK, priority)
+    if force_local:   # last, then first: a tile whose diagonal is in one block forces it once
+        priority = torch.where(blocks == qtiles[:, _C.QT_LOCAL_LAST, None], LOCAL_LAST, priority)
+        priority = torch.where(blocks == qtiles[:, _C.QT_LOCAL_FIRST, None], LOCAL_FIRST, priority)
+    return priority.long() << PRIORITY_SHIFT | blocks
+
+
+def is_forced(qtiles: torch.Tensor, num_kv_blocks: int, *, force_local: bool, force_sink: bool) -> torch.Tensor:
+    """``[tiles, num_kv_blocks]``: which blocks are forced (local or sink), visited first."""
+    keys = unscored_keys(qtiles, num_kv_blocks, force_local=force_local, force_sink=force_sink)
+    return (keys >> PRIORITY_SHIFT) > SCORED
 
 
 def _score_code(scores: torch.Tensor) -> torch.Tensor:
@@ -68,14 +78,15 @@ def _score_code(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(scores < 0, -magnitude, magnitude)
 
 
-def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, base: torch.Tensor,
-                      out: torch.Tensor) -> None:
+def order_from_scores(scores: torch.Tensor, qtiles: torch.Tensor, out: torch.Tensor, *,
+                      force_local: bool, force_sink: bool) -> None:
     """Writes the order mask for ``scores [hq, tiles, num_kv_blocks]`` into
-    ``out [tiles, hq, k_max]`` (int32, -1 past each tile's ``num_selected``).
-    ``base`` is ``Plan.rank_base`` for these tiles, at least ``num_kv_blocks`` wide.
-    Scores of non-candidate blocks are ignored."""
+    ``out [tiles, hq, k_max]`` (int32, -1 past each tile's ``num_selected``), the blocks
+    forced as the plan's ``force_local`` and ``force_sink`` say. Scores of non-candidate
+    blocks are ignored."""
     num_kv_blocks = scores.shape[-1]
-    key = torch.add(base[:, :num_kv_blocks], _score_code(scores), alpha=1 << BLOCK_BITS)
+    base = unscored_keys(qtiles, num_kv_blocks, force_local=force_local, force_sink=force_sink)
+    key = torch.add(base, _score_code(scores), alpha=1 << BLOCK_BITS)
     # (priority, score, block index) descending; top-k's results are sorted.
     ranked = key.topk(min(out.shape[-1], num_kv_blocks), dim=-1).indices    # [hq, tiles, width]
     out[..., :ranked.shape[-1]] = ranked.transpose(0, 1)
