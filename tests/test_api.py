@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import pickle
 import sys
 
 import numpy as np
@@ -221,6 +223,33 @@ def test_a_run_that_fails_part_way_leaves_no_plan_its_bytes(monkeypatch):
     for plan in (first, second):
         with expect(RuntimeError, "another plan on the same workspace was made, run or ranked"):
             plan.stats()
+
+
+@pytest.mark.parametrize("copy_plan", [copy.copy, copy.deepcopy, lambda plan: pickle.loads(pickle.dumps(plan))],
+                         ids=["copy", "deepcopy", "pickle"])
+def test_a_copied_plan_is_the_same_plan_with_buffers_of_its_own(copy_plan):
+    # an empty request and one of a single token too: their last pages are rebuilt from the plan
+    batch = make_batch([100, 0, 40, 1], [300, 0, 40, 129], HQ, HKV, D, PAGE, dtype=torch.bfloat16,
+                       generator=torch.Generator().manual_seed(torch.seed()))
+    workspace = torch.zeros(1 << 16, dtype=torch.uint8)
+    original = dataclasses.replace(cosa.plan(*plan_args(batch), budget=0.5, force_sink=False, workspace=workspace),
+                                   delta=0.3)
+    expected = cosa.run(original, batch.q, batch.cache)
+    counts = original.stats().computed.clone()
+    copied = copy_plan(original)
+    assert copied.workspace_bytes is None
+    for field in dataclasses.fields(api.Plan):
+        mine, theirs = getattr(copied, field.name), getattr(original, field.name)
+        if not isinstance(theirs, torch.Tensor):
+            if field.name not in ("kernel", "rank_kernel", "workspace_bytes", "token"):
+                assert mine == theirs, field.name
+        elif theirs.numel():
+            assert mine.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr(), field.name
+            if field.name not in ("order", "computed", "skipped", "lse", "qbar", "kbar"):   # run's buffers
+                assert torch.equal(mine, theirs), field.name
+    torch.testing.assert_close(cosa.run(copied, batch.q, batch.cache), expected, rtol=0, atol=0)
+    assert torch.equal(copied.stats().computed, counts)
+    assert torch.equal(original.stats().computed, counts)   # still its own
 
 
 def test_the_plan_keeps_the_page_table_it_was_given(batch):

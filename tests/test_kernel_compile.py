@@ -386,6 +386,28 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
     assert scalars == (plan.sm_scale, math.log(0.5), 4, 4, 1, plan.tile_order.shape[0])
 
 
+def test_a_copied_plan_s_launchers_pass_libcosa_its_own_buffers(monkeypatch):
+    # libcosa's launchers take packed addresses, cached after the first run: a copy packs its own
+    import copy
+    import cosa
+    from cosa.paged import uniform_page_table
+    words = []
+    monkeypatch.setattr(api, "osk_launcher", lambda *config: osk.Launcher)
+    monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
+    for module in (osk, kap):
+        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, bound, scalars=(): words.append(
+            set(bound.words)))
+    original = cosa.plan(*uniform_page_table(1, 300, 300, 16, "cpu"), 4, 2, 128, 16)
+    q, cache = torch.zeros(300, 4, 128, dtype=torch.bfloat16), torch.zeros(19, 2, 16, 2, 128, dtype=torch.bfloat16)
+    cosa.run(original, q, cache)
+    copied = copy.deepcopy(original)
+    cosa.run(copied, q, cache)
+    theirs, mine = words[2], words[5]   # each run launches KAP's pool and rank, then OSK
+    assert copied.order.data_ptr() in mine and original.order.data_ptr() not in mine
+    assert original.order.data_ptr() in theirs
+
+
 @pytest.mark.parametrize("workspace", [None, torch.zeros(1 << 16, dtype=torch.uint8)[3:]])
 def test_a_plan_without_query_rows_binds_the_launchers_and_launches_nothing(monkeypatch, workspace):
     # empty tables and buffers, carved from a workspace or not, pass the bind; run writes nothing

@@ -79,7 +79,11 @@ class Plan:
     plan's tables, as ``osk.Launcher`` does); the others shaped the plan's tables
     (``budget``, ``force_local`` and ``force_sink`` the selection and ranking, ``causal`` the
     candidates, ``proxy`` whether the KAP kernel ranks) or are bound into its launchers with
-    them (``kv_layout``, ``causal``, the tables themselves), so change them through ``plan``."""
+    them (``kv_layout``, ``causal``, the tables themselves), so change them through ``plan``.
+
+    ``copy.copy``, ``copy.deepcopy`` and ``pickle`` give ``plan`` of the same page table and
+    options (delta and sm_scale as they are now) on the same device, with buffers of its own
+    (no workspace) and the plan's own launchers."""
 
     num_qo_heads: int
     num_kv_heads: int
@@ -129,6 +133,19 @@ class Plan:
     # with a workspace: the device and byte range the plan's buffers take of it (_workspace_counts)
     workspace_bytes: tuple[str, int, int] | None = None
     token: int = 0
+
+    def __reduce__(self):
+        # copy, deepcopy and pickle: the plan of the same batch and options on the same device,
+        # with buffers of its own. A field-by-field copy would keep the launchers' packed
+        # addresses, the byte spans and the workspace entry of this plan: its runs would write
+        # this plan's buffers, freed or not.
+        pages = [end - start for start, end in zip(self.kv_indptr_host, self.kv_indptr_host[1:])]
+        last_page_len = [kv_len - self.page_size * (n - 1) if n else 0 for kv_len, n in zip(self.kv_lens_host, pages)]
+        page_table = (self.qo_indptr_host, self.kv_indptr_host, self.kv_indices.tolist(), last_page_len)
+        options = {name: getattr(self, name) for name in (
+            "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "causal", "budget", "delta", "sm_scale",
+            "q_data_type", "kv_data_type", "kv_layout", "force_local", "force_sink", "proxy")}
+        return _replan, (page_table, str(self.device), options)
 
     @functools.cached_property
     def tensor_spans(self) -> tuple:
@@ -249,6 +266,11 @@ def _check_sm_scale(name: str, sm_scale) -> None:
         raise TypeError(f"{name} must be a float, got {type(sm_scale).__name__}")
     if not 0 < sm_scale <= _C.MAX_SM_SCALE:
         raise ValueError(f"{name} must be in (0, {_C.MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
+
+
+def _replan(page_table, device: str, options: dict) -> Plan:
+    """``Plan.__reduce__``'s inverse."""
+    return plan(*(torch.tensor(a, dtype=torch.int32, device=device) for a in page_table), **options)
 
 
 def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
