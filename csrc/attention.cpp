@@ -48,8 +48,11 @@ namespace {
 // Key blocks of the longest request the KAP kernels rank (cute_kernels/kap.py's MAX_KEY_BLOCKS).
 constexpr int64_t kKapMaxKeyBlocks = 16384;
 
-// Whether cosa_run can compute the plan's order mask itself: KAP ranks every request.
-bool kap_ranks(const cosa::Plan& plan) { return plan.max_request_blocks() <= kKapMaxKeyBlocks; }
+// Whether cosa_run computes the plan's order mask itself (a NULL order), so that the plan holds
+// KAP's scratch: the caller asked for KAP, and KAP ranks every request.
+bool kap_ranks(cosa_proxy proxy, const cosa::Plan& plan) {
+    return proxy == COSA_PROXY_KAP && plan.max_request_blocks() <= kKapMaxKeyBlocks;
+}
 
 }  // namespace
 
@@ -60,6 +63,7 @@ struct cosa_plan {
     int32_t head_dim = 0, page_size = 0, num_kv_heads = 0;
     int64_t num_pages = 0;
     bool causal = true, force_local = true, force_sink = true;
+    cosa_proxy proxy = COSA_PROXY_KAP;
     double sm_scale = 0, delta = 0;
     int64_t total_q = 0;
     int device = 0;
@@ -93,6 +97,8 @@ void check_plan_args(const cosa_plan_args& a) {
                 cosa::repr(a.sm_scale));
     if (!(std::isfinite(a.delta) && a.delta >= 0))
         invalid("delta must be finite and >= 0, got " + cosa::repr(a.delta));
+    if (a.proxy != COSA_PROXY_KAP && a.proxy != COSA_PROXY_CALLER)
+        invalid("proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got " + std::to_string(static_cast<int>(a.proxy)));
     if (a.remap.num_pages > std::numeric_limits<int32_t>::max())
         invalid("num_pages must fit in int32, got " + std::to_string(a.remap.num_pages));
 }
@@ -396,7 +402,8 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
         plan->force_local = args->remap.force_local;
         plan->force_sink = args->remap.force_sink;
-        const bool ranks = kap_ranks(host);
+        plan->proxy = args->proxy;
+        const bool ranks = kap_ranks(plan->proxy, host);
         const int64_t num_qtiles = host.num_qtiles();
         // Head counts are bounded only by int32: with no query rows, KAP's key means can ask for
         // more words than int64 counts, and the offsets would wrap inside the allocation.
@@ -466,10 +473,12 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         const cosa::Plan& p = plan->remap.plan;
         if (p.num_tiles() == 0) return;  // no query rows: nothing to read or write (empty tensors may be NULL)
         check_run_operands(*plan, *args);
-        if (args->order == nullptr && !kap_ranks(p))
-            invalid("order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
-                    " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +
-                    " that cosa_run's proxy ranks");
+        if (args->order == nullptr && !kap_ranks(plan->proxy, p))
+            invalid(plan->proxy == COSA_PROXY_CALLER
+                        ? std::string("order must not be NULL: the plan was created with proxy COSA_PROXY_CALLER")
+                        : "order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
+                              " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +
+                              " that cosa_run's proxy ranks");
 #ifdef COSA_AOT_KERNELS
         int device = 0;
         cosa::check_cuda(cudaGetDevice(&device), "cudaGetDevice");

@@ -284,7 +284,7 @@ class _RemapArgs(ctypes.Structure):
 
 class _PlanArgs(ctypes.Structure):
     _fields_ = [("remap", _RemapArgs), ("dtype", ctypes.c_int), ("sm_scale", ctypes.c_double),
-                ("delta", ctypes.c_double)]
+                ("delta", ctypes.c_double), ("proxy", ctypes.c_int)]
 
 
 class _RunArgs(ctypes.Structure):
@@ -369,6 +369,7 @@ BAD_PLAN_ARGS = {
     "sm_scale": ({"sm_scale": float("nan")}, "sm_scale must be in (0, "),
     "sm_scale beyond float32": ({"sm_scale": 1e39}, "sm_scale must be in (0, 2.358"),
     "delta": ({"delta": -1e-9}, "delta must be finite and >= 0, got -1e-09"),
+    "proxy": ({"proxy": 2}, "proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got 2"),
     "page table": ({"kv_last_page_len_size": 2}, "kv_last_page_len must have B = 1 entries"),
     "num_pages": ({"num_pages": 2**31}, "num_pages must fit in int32, got 2147483648"),
     # what a C caller alone can pass: the sizes of the arrays it points to
@@ -492,6 +493,42 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
                 setattr(bad, name, value)
             assert c_api.run(plan, bad) == _INVALID_ARGUMENT, message
             assert c_api.error().startswith(message)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_a_caller_proxy_plan_runs_the_callers_order_and_needs_one(c_api):
+    tokens = 3000
+    with c_api.plan(c_api.plan_args(tokens, proxy=1)) as plan:   # COSA_PROXY_CALLER
+        q = torch.randn(tokens, 4, 128, device="cuda").to(torch.bfloat16)
+        cache = torch.randn(-(-tokens // 128), 2, 128, 2, 128, device="cuda").to(torch.bfloat16)
+        o = torch.full_like(q, float("nan"))
+        args = c_api.run_args(q, cache, o)
+        assert c_api.run(plan, args) == _INVALID_ARGUMENT
+        assert c_api.error() == "order must not be NULL: the plan was created with proxy COSA_PROXY_CALLER"
+        python_plan = cosa.plan(*(torch.from_numpy(a).cuda() for a in c_api.page_table), 4, 2, 128, 128,
+                                budget=0.25, delta=0.05)
+        order = cosa.order_mask(python_plan, q, cache).clone()
+        args.order = order.data_ptr()
+        assert c_api.run(plan, args, torch.cuda.current_stream().cuda_stream) == 0, c_api.error()
+        torch.testing.assert_close(o, cosa.run(python_plan, q, cache), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
+def test_a_caller_proxy_plan_leaves_out_kaps_scratch(c_api):
+    # 1M tokens of 4 query and 2 kv heads: KAP's order mask and means are about 160 MB
+    tokens = 1 << 20
+    sizes = _RemapPlanSizes()
+    allocated = {}
+    for proxy in (0, 1):   # COSA_PROXY_KAP, COSA_PROXY_CALLER
+        torch.cuda.synchronize()
+        free = torch.cuda.mem_get_info()[0]
+        with c_api.plan(c_api.plan_args(tokens, proxy=proxy)) as plan:
+            allocated[proxy] = free - torch.cuda.mem_get_info()[0]
+            assert c_api.lib.cosa_remap_plan_info(c_api.lib.cosa_plan_remap(plan), ctypes.byref(sizes)) == 0
+    scratch = 4 * (sizes.num_tiles * sizes.k_max + sizes.num_qtiles * 4 * 128 + sizes.num_kv_blocks * 2 * 128)
+    assert allocated[0] - allocated[1] >= 0.9 * scratch and allocated[1] < scratch / 4, (allocated, scratch)
 
 
 @pytest.mark.gpu

@@ -90,6 +90,7 @@ int main(int argc, char** argv) {
     args.dtype = COSA_DTYPE_BFLOAT16;
     args.sm_scale = 1.0 / std::sqrt(static_cast<double>(kD));
     args.delta = delta;  // 0: stage 2 off, every selected block is computed
+    args.proxy = COSA_PROXY_KAP;  // cosa_run ranks; COSA_PROXY_CALLER: every run passes its order
     cosa_plan* plan = nullptr;
     check(cosa_plan_create(&args, &plan) == COSA_OK, "cosa_plan_create");
 

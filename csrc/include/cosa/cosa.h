@@ -196,6 +196,14 @@ typedef enum cosa_dtype {
     COSA_DTYPE_FLOAT16 = 1
 } cosa_dtype;
 
+/* Who writes the order masks cosa_run walks. */
+typedef enum cosa_proxy {
+    COSA_PROXY_KAP = 0,   /* KAP, in cosa_run, wherever a run passes a NULL order; the plan
+                             holds its scratch (see cosa_plan_create) */
+    COSA_PROXY_CALLER = 1 /* the caller: every run passes an order, and the plan holds none
+                             of KAP's scratch */
+} cosa_proxy;
+
 typedef struct cosa_plan_args {
     cosa_remap_args remap; /* page table, heads and selection, as for cosa_remap_plan_create;
                               remap.head_dim 64 or 128 */
@@ -203,6 +211,7 @@ typedef struct cosa_plan_args {
     double sm_scale;       /* logit scale in (0, COSA_MAX_SM_SCALE]
                               (usually 1/sqrt(head_dim)) */
     double delta;          /* stage-2 skip threshold, finite and >= 0; 0 computes every selected block */
+    cosa_proxy proxy;      /* COSA_PROXY_KAP (zero-initialised args) or COSA_PROXY_CALLER */
 } cosa_plan_args;
 
 typedef struct cosa_plan cosa_plan;
@@ -210,12 +219,13 @@ typedef struct cosa_plan cosa_plan;
 /*
  * Validates args, builds the remap plan and copies its tables to memory the
  * plan owns on the current CUDA device (a synchronous copy); the plan may
- * then be run on that device only, from any stream. Where KAP can rank the
- * batch (no request of more than 16384 key blocks, 2M tokens) that memory
- * also holds the proxy's, whether or not the runs pass an order of their own:
- * the float block means of q and K, and the order mask; for one request of 32
- * query and 8 kv heads of head_dim 128 at budget 0.25: 20 MB and 32 MB at 128K
- * tokens, 0.2 GB and 2.1 GB at 1M. Any plan needs an order mask
+ * then be run on that device only, from any stream. With proxy
+ * COSA_PROXY_KAP, where KAP can rank the batch (no request of more than 16384
+ * key blocks, 2M tokens), that memory also holds KAP's scratch, whether or not
+ * the runs pass an order of their own: the float block means of q and K, and
+ * the order mask; for one request of 32 query and 8 kv heads of head_dim 128
+ * at budget 0.25: 20 MB and 32 MB at 128K tokens, 0.2 GB and 2.1 GB at 1M
+ * (COSA_PROXY_CALLER leaves them out). Any plan needs an order mask
  * (num_qtiles * num_qo_heads * k_max entries, k_max about budget * key
  * blocks) below 2^31 entries: at 32 query heads and budget 0.25, requests of
  * fewer than 2M tokens.
@@ -250,8 +260,8 @@ typedef struct cosa_run_args {
     const void* v_cache;
     int64_t v_strides[3];
     /* NULL: the KAP proxy computes the order mask at the plan's budget into
-     * plan-owned scratch, as Python's cosa.run does (needs a plan KAP can
-     * rank, see cosa_plan_create). Else the caller's, int32
+     * plan-owned scratch, as Python's cosa.run does (needs a COSA_PROXY_KAP
+     * plan KAP can rank, see cosa_plan_create). Else the caller's, int32
      * [num_qtiles][num_qo_heads][k_max], contiguous: each tile's key blocks in
      * visiting order, as for cosa_remap_resolve_order (e.g. Python's
      * cosa.order_mask; local blocks first keeps every row's running max finite
