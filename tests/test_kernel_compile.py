@@ -350,16 +350,23 @@ def test_a_launcher_refuses_outputs_in_the_plan_s_tables_when_bound():
         kap.kap_order(**_kap_args(qbar=qbar, qtiles=qbar.view(-1)[:8].view(torch.int32).view(1, 8)))
 
 
-def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
-    # what run launches: the plan's tensors, bound at plan time, and the call's q, cache and outputs
-    import cosa
-    launches = []
+def _record_launches(monkeypatch, record) -> None:
+    """Plans bind the kernels' launchers, as on a Hopper GPU, with libcosa's kernels (stand-ins
+    named after them), and each launch calls ``record(fn, tensors, bound, scalars)`` instead."""
     monkeypatch.setattr(api, "osk_launcher", lambda *config: osk.Launcher)
     monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
     monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
     for module in (osk, kap):
-        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, bound, scalars=(): launches.append(
-            (fn, (*tensors, *bound.tensors), scalars)))
+        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, bound, scalars=(): record(
+            fn, tensors, bound, scalars))
+
+
+def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
+    # what run launches: the plan's tensors, bound at plan time, and the call's q, cache and outputs
+    import cosa
+    launches = []
+    _record_launches(monkeypatch, lambda fn, tensors, bound, scalars: launches.append(
+        (fn, (*tensors, *bound.tensors), scalars)))
     page, lens = 16, (300, 77)
     pages = [torch.randperm(40, dtype=torch.int32)[:n] for n in (-(-lens[0] // page), -(-lens[1] // page))]
     indptr = torch.tensor([0, lens[0], sum(lens)], dtype=torch.int32)
@@ -392,12 +399,7 @@ def test_a_copied_plan_s_launchers_pass_libcosa_its_own_buffers(monkeypatch):
     import cosa
     from cosa.paged import uniform_page_table
     words = []
-    monkeypatch.setattr(api, "osk_launcher", lambda *config: osk.Launcher)
-    monkeypatch.setattr(api, "kap_launcher", lambda *config: kap.Launcher)
-    monkeypatch.setattr(aot, "load_kernel", lambda *config: (config[0], aot.KernelSource("aot", "a stand-in")))
-    for module in (osk, kap):
-        monkeypatch.setattr(module, "_launch", lambda fn, source, tensors, bound, scalars=(): words.append(
-            set(bound.words)))
+    _record_launches(monkeypatch, lambda fn, tensors, bound, scalars: words.append(set(bound.words)))
     original = cosa.plan(*uniform_page_table(1, 300, 300, 16, "cpu"), 4, 2, 128, 16)
     q, cache = torch.zeros(300, 4, 128, dtype=torch.bfloat16), torch.zeros(19, 2, 16, 2, 128, dtype=torch.bfloat16)
     cosa.run(original, q, cache)
