@@ -259,8 +259,8 @@ The four arrays are 1-D integer arrays (int32 is used without a copy). Returns a
 dict of int32 numpy arrays qo_lens [B], kv_lens [B], kv_block_indptr [B+1],
 block_pages [num_kv_blocks, pages_per_block], qtiles [num_qtiles, QT_COLUMNS] and
 tile_order [num_qtiles * num_qo_heads, 2], and the ints k_max, max_request_blocks (key
-blocks of the longest request), pages_per_block and num_qo_heads. Raises ValueError naming the offending argument, TypeError for a
-non-integer array.)doc");
+blocks of the longest request), pages_per_block and num_qo_heads. Raises ValueError
+naming the offending argument, TypeError for a non-integer array.)doc");
     m.def("resolve_order", &resolve_order, py::arg("plan"), py::arg("order"),
           R"doc(Physical pages of an order mask: [num_qtiles, num_qo_heads, k_max, pages_per_block].
 

@@ -9,20 +9,18 @@ Entry points
     Whether the kernels cover the configuration: the OSK configurations (head_dim 64 or
     128, fp16/bf16) and requests of at most ``MAX_KEY_BLOCKS`` key blocks.
 
-``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
-max_request_blocks, force_local, force_sink, num_qo_heads, num_kv_heads, head_dim, page_size,
-dtype, kv_layout="NHD")(q, k_cache)``
+``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *, force_local,
+force_sink, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout="NHD")(q, k_cache)``
     The kernels bound to a plan's tables and buffers (as ``osk.Launcher``); a call launches
     as ``kap_order``.
 
 ``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
-max_request_blocks, force_local, force_sink, kv_layout="NHD") -> None``
+force_local, force_sink, kv_layout="NHD") -> None``
     Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream of
     q's device (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks,
     Hkv, D] float32, which the caller provides); no host sync, no allocation, so CUDA-graph
     capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
-    ``osk.osk_forward``; ``max_request_blocks`` (key blocks of the longest request),
-    ``force_local`` and ``force_sink`` are the plan's.  Imports no
+    ``osk.osk_forward``; ``force_local`` and ``force_sink`` are the plan's.  Imports no
     torch (``osk._launch`` does, when called), so that ``aot.py`` exports the kernels
     without it.
 
@@ -478,22 +476,20 @@ class Launcher:
     and launches (``osk.Launcher`` does the same for OSK)."""
 
     def __init__(self, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
-                 max_request_blocks: int, force_local: bool, force_sink: bool, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, page_size: int, dtype, kv_layout: str = "NHD"):
+                 force_local: bool, force_sink: bool, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: int, dtype, kv_layout: str = "NHD"):
+        import numpy as np
         import torch
 
         from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
 
         self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
         self.operands.check(_WHO)
-        if not supported(head_dim, dtype, max_request_blocks):
-            raise ValueError(f"{_WHO}: no kernel for head_dim={head_dim}, dtype={dtype}, "
-                             f"{max_request_blocks} key blocks (at most {MAX_KEY_BLOCKS})")
-        # the key slots each CTA takes follow from it: the plan's, never smaller than a request
-        if isinstance(max_request_blocks, bool) or not isinstance(max_request_blocks, int) or not (
-                0 <= max_request_blocks <= block_pages.shape[0]):
-            raise ValueError(f"{_WHO}: max_request_blocks must be the plan's, an int in [0, "
-                             f"{block_pages.shape[0]}] (the batch's key blocks), got {max_request_blocks!r}")
+        if not supported(head_dim, dtype, 0):
+            raise ValueError(f"{_WHO}: no kernel for head_dim={head_dim}, dtype={dtype}")
+        for name, flag in (("force_local", force_local), ("force_sink", force_sink)):
+            if not isinstance(flag, (bool, np.bool_)):
+                raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
         nq = qtiles.shape[0]
         _check_shapes(_WHO, {
             **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
@@ -504,10 +500,16 @@ class Launcher:
         outputs = {"qbar": qbar, "kbar": kbar, "order": order}
         check_apart(outputs, {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "kv_lens": kv_lens,
                               "qtiles": qtiles}, who=_WHO)
+        # The key slots each CTA takes: a request longer than they hold would stall the sort, so
+        # they come from the table itself (one sync, at bind time), not from the caller.
+        max_request_blocks = int(kv_block_indptr.diff().max()) if kv_block_indptr.numel() > 1 else 0
+        if max_request_blocks > MAX_KEY_BLOCKS:
+            raise ValueError(f"{_WHO}: kv_block_indptr has a request of {max_request_blocks} key blocks, more "
+                             f"than the kernels rank ({MAX_KEY_BLOCKS})")
         self.k_max = order.shape[-1]
         self._pool_bound = _BoundTensors(block_pages, kv_block_indptr, kv_lens, kbar)
         self._rank_bound = _BoundTensors(qbar, kbar, qtiles, kv_block_indptr, order)
-        self._rank_scalars = (max_request_blocks, int(bool(force_local)), int(bool(force_sink)))
+        self._rank_scalars = (max_request_blocks, int(force_local), int(force_sink))
         self._output_spans = tuple(byte_span(name, t) for name, t in outputs.items())
 
     def __call__(self, q, k_cache) -> None:
@@ -524,9 +526,9 @@ class Launcher:
 
 
 def kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
-              max_request_blocks: int, force_local: bool, force_sink: bool, kv_layout: str = "NHD") -> None:
+              force_local: bool, force_sink: bool, kv_layout: str = "NHD") -> None:
     """Launch the two KAP kernels (see the module docstring for the contract): a ``Launcher``
     bound to these tables for one call."""
     operands = _Operands.of(_WHO, q, k_cache, kv_layout)
-    Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, max_request_blocks=max_request_blocks,
-             force_local=force_local, force_sink=force_sink, **operands._asdict())(q, k_cache)
+    Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, force_local=force_local,
+             force_sink=force_sink, **operands._asdict())(q, k_cache)

@@ -58,7 +58,7 @@ def test_block_mass_matches_a_loop_over_rows(q_len, kv_len, causal):
                                rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("force_local,force_sink", [(True, True), (True, False), (False, True)])
+@pytest.mark.parametrize("force_local,force_sink", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("ordering", ["ascending", "random"])
 def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering, force_local, force_sink):
     g = torch.Generator().manual_seed(torch.seed())

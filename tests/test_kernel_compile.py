@@ -247,19 +247,18 @@ def _kap_args(**change):
             "block_pages": torch.zeros(1, 8, dtype=i32), "kv_block_indptr": torch.tensor([0, 1], dtype=i32),
             "kv_lens": torch.tensor([128], dtype=i32), "qtiles": torch.zeros(1, 8, dtype=i32),
             "qbar": torch.zeros(1, 4, 128, dtype=f32), "kbar": torch.zeros(1, 2, 128, dtype=f32),
-            "order": torch.zeros(1, 4, 1, dtype=i32), "max_request_blocks": 1, "force_local": True,
-            "force_sink": True}
+            "order": torch.zeros(1, 4, 1, dtype=i32), "force_local": True, "force_sink": True}
     args.update(change)
     return args
 
 
 @pytest.mark.parametrize("change,error,match", [
     ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
-    ({"max_request_blocks": kap.MAX_KEY_BLOCKS + 1}, ValueError,
-     rf"{kap.MAX_KEY_BLOCKS + 1} key blocks \(at most {kap.MAX_KEY_BLOCKS}\)"),
-    *(({"max_request_blocks": bad}, ValueError,
-       rf"max_request_blocks must be the plan's, an int in \[0, 1\] \(the batch's key blocks\), got {bad}")
-      for bad in (2, -1, 1.0, True)),
+    ({"kv_block_indptr": torch.tensor([0, kap.MAX_KEY_BLOCKS + 1], dtype=torch.int32)}, ValueError,
+     rf"kv_block_indptr has a request of {kap.MAX_KEY_BLOCKS + 1} key blocks, more than the kernels rank "
+     rf"\({kap.MAX_KEY_BLOCKS}\)"),
+    *(({name: bad}, TypeError, rf"kap_order: {name} must be a bool, got {bad!r}")
+      for name in ("force_local", "force_sink") for bad in (None, "no", 1)),
     ({"k_cache": torch.zeros(8, 8, 2, 128, dtype=torch.bfloat16)}, ValueError, r"page_size must be .* got 8"),
     ({"k_cache": torch.zeros(8, 16, 2, 128, dtype=torch.float16)}, TypeError,
      r"k_cache must have dtype torch.bfloat16"),

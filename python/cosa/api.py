@@ -320,8 +320,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     qtile_indptr = np.concatenate([[0], np.cumsum([num_blocks(n) for n in tables["qo_lens"]])])
 
     bind_osk = osk_launcher(device, head_dim, q_data_type, kv_data_type)
-    max_request_blocks = tables["max_request_blocks"]
-    bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, max_request_blocks)
+    bind_kap = kap_launcher(device, proxy, head_dim, q_data_type, kv_data_type, tables["max_request_blocks"])
     pooled_tiles, pooled_blocks = (num_qtiles, tables["block_pages"].shape[0]) if bind_kap else (0, 0)
     (order, computed, skipped, lse, qbar, kbar), workspace_bytes = _carve(workspace, device, [
         ((num_qtiles, num_qo_heads, k_max), torch.int32), ((num_qtiles, num_qo_heads), torch.int32),
@@ -343,7 +342,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     if bind_kap:
         rank_kernel = bind_kap(*(on_device[name] for name in (
             "block_pages", "kv_block_indptr", "kv_lens", "qtiles")), qbar, kbar, order,
-            max_request_blocks=max_request_blocks, force_local=force_local, force_sink=force_sink, **operands)
+            force_local=force_local, force_sink=force_sink, **operands)
 
     new_plan = Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,

@@ -92,9 +92,8 @@ int main() {
 
     cosa_remap_plan_destroy(plan);
 
-    // The remap plan holds no ranking table (only a stage-1 ranking needs one), so a request
-    // too long for that table still plans here: 2^23 tokens, 2^16 query tiles by 2^16 key
-    // blocks, 2^32 ranking keys.
+    // A request of 2^23 tokens (2^16 query tiles by 2^16 key blocks) plans: the remap plan's
+    // tables grow with the request, not with its square.
     const int32_t long_tokens = 1 << 23, long_page = 256, long_pages = long_tokens / long_page;
     std::vector<int32_t> long_indices(static_cast<size_t>(long_pages));
     for (int32_t i = 0; i < long_pages; ++i) long_indices[static_cast<size_t>(i)] = i;

@@ -26,9 +26,10 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-/* The single source of the version: CMake and the Python package read these. */
+/* The single source of the version: CMake and the Python package read these. 0.2: the
+ * KAP-backed C API's cosa_plan_args gained proxy (its layout changed). */
 #define COSA_VERSION_MAJOR 0
-#define COSA_VERSION_MINOR 1
+#define COSA_VERSION_MINOR 2
 #define COSA_VERSION_PATCH 0
 /* MAJOR * 10000 + MINOR * 100 + PATCH, for preprocessor comparisons. */
 #define COSA_VERSION (COSA_VERSION_MAJOR * 10000 + COSA_VERSION_MINOR * 100 + COSA_VERSION_PATCH)

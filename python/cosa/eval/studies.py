@@ -43,7 +43,7 @@ def reorder_scored_blocks(order: torch.Tensor, plan_: Plan, ordering: str,
     if ordering == "descending":
         return order
     selected = plan_.qtiles[:, _C.QT_NUM_SELECTED, None, None].long()
-    forced = is_forced(plan_.qtiles, num_blocks(max(plan_.kv_lens_host)), force_local=plan_.force_local,
+    forced = is_forced(plan_.qtiles, num_blocks(max(plan_.kv_lens_host, default=0)), force_local=plan_.force_local,
                        force_sink=plan_.force_sink)
     forced = forced.sum(-1)[:, None, None].clamp(max=selected)
     position = torch.arange(order.shape[-1], device=order.device).expand(order.shape)
