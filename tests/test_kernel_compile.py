@@ -392,6 +392,23 @@ def test_a_plan_binds_the_launchers_to_its_own_tables(monkeypatch):
     assert scalars == (plan.sm_scale, math.log(0.5), 4, 4, 1, plan.tile_order.shape[0])
 
 
+def test_run_refuses_a_cache_that_overlaps_the_plan_s_memory_before_any_launch(monkeypatch):
+    # KAP writes its means and order mask, which OSK's launcher alone cannot see meet V
+    import cosa
+    from cosa.paged import uniform_page_table
+    launches = []
+    _record_launches(monkeypatch, lambda *launch: launches.append(launch))
+    workspace = torch.zeros(1 << 21, dtype=torch.uint8)
+    plan = cosa.plan(*uniform_page_table(1, 300, 300, 16, "cpu"), 4, 2, 128, 16, workspace=workspace)
+    q, k = torch.zeros(300, 4, 128, dtype=torch.bfloat16), torch.zeros(19, 16, 2, 128, dtype=torch.bfloat16)
+    for name in ("qbar", "kbar", "order"):
+        start = getattr(plan, name).data_ptr() - workspace.data_ptr()
+        v = workspace[start:start + k.nbytes].view(torch.bfloat16).view(k.shape)
+        with pytest.raises(ValueError, match=rf"plan.{name} shares memory with paged_kv_cache's V"):
+            cosa.run(plan, q, (k, v))
+    assert launches == []
+
+
 def test_a_copied_plan_s_launchers_pass_libcosa_its_own_buffers(monkeypatch):
     # libcosa's launchers take packed addresses, cached after the first run: a copy packs its own
     import copy

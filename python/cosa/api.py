@@ -405,12 +405,10 @@ def _check_run_args(plan_: Plan, q, paged_kv_cache, out, lse):
             raise ValueError(f"lse must be a float32 tensor of shape {expected[:2]} on {q.device}")
     outputs = {name: x for name, x in (("out", out), ("lse", lse)) if x is not None}
     inputs = {"q": q, "paged_kv_cache's K": k, "paged_kv_cache's V": v}
-    if plan_.kernel is None or plan_.rank_kernel is None:
-        # torch code writes the plan's buffers (order; on the reference path lse and the counts
-        # too) while it reads the inputs; the bound launchers check their own writes
-        check_apart(outputs, inputs, checked_outputs=plan_.tensor_spans)
-    elif outputs:
-        check_apart(outputs, inputs, input_spans=plan_.tensor_spans)
+    # All of the plan's memory counts as written: one stage writes its buffers while the other
+    # reads the inputs (KAP's means and order mask while OSK reads V), which no launcher sees
+    # alone; here too before the first launch.
+    check_apart(outputs, inputs, checked_outputs=plan_.tensor_spans)
     return k, v
 
 
@@ -494,6 +492,11 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     ``return_lse=False``) run allocates nothing, its scratch being the plan's.
     They must not overlap each other, q, the cache or the plan's memory, nor may q and
     the cache overlap the plan's memory.
+
+    A plan's runs must not overlap one another (its scratch is shared): run it from one
+    stream at a time, and from one thread. A CUDA graph that captured a run replays that
+    plan's launches on its tables and buffers: keep the plan alive while the graph may
+    replay, and capture again after re-planning a wrapper or a workspace.
     """
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     if out is None:
