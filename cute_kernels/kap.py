@@ -12,14 +12,16 @@ Entry points
 ``Launcher(block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *, force_local,
 force_sink, num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout="NHD")(q, k_cache)``
     The kernels bound to a plan's tables and buffers (as ``osk.Launcher``); a call launches
-    as ``kap_order``.
+    as ``kap_order``.  Binding reads the longest request off ``kv_block_indptr`` (a sync: it
+    sizes the sort, so it is not taken on trust); the calls neither sync nor allocate.
 
 ``kap_order(q, k_cache, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
 force_local, force_sink, kv_layout="NHD") -> None``
     Writes ``order`` [num_qtiles, Hq, k_max] int32 in place on the current torch stream of
     q's device (and the pooled means ``qbar`` [num_qtiles, Hq, D], ``kbar`` [num_kv_blocks,
-    Hkv, D] float32, which the caller provides); no host sync, no allocation, so CUDA-graph
-    capturable once compiled.  ``q``, ``k_cache`` and the int32 plan tensors are as for
+    Hkv, D] float32, which the caller provides).  It binds a ``Launcher`` for the call, and so
+    syncs: to capture KAP in a CUDA graph, bind a ``Launcher`` first and capture its calls (no
+    host sync, no allocation, once compiled).  ``q``, ``k_cache`` and the int32 plan tensors are as for
     ``osk.osk_forward``; ``force_local`` and ``force_sink`` are the plan's.  Imports no
     torch (``osk._launch`` does, when called), so that ``aot.py`` exports the kernels
     without it.
@@ -484,9 +486,7 @@ class Launcher:
         from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
 
         self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
-        self.operands.check(_WHO)
-        if not supported(head_dim, dtype, 0):
-            raise ValueError(f"{_WHO}: no kernel for head_dim={head_dim}, dtype={dtype}")
+        self.operands.check(_WHO)   # head_dim and dtype: OSK's configurations are KAP's
         for name, flag in (("force_local", force_local), ("force_sink", force_sink)):
             if not isinstance(flag, (bool, np.bool_)):
                 raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
