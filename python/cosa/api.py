@@ -292,7 +292,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     them runs correctly, but only the plan made or run last on the workspace (or on
     any slice overlapping it) has ``stats()``, which ``order_mask`` with another plan
     takes away too; the others' raise (a CUDA graph's replays count as the run it
-    captured).
+    captured). The plans keep the workspace's memory alive; it must not be resized
+    (``resize_``) while they live, as the kernels keep the addresses it had.
     """
     kv_data_type = kv_data_type or q_data_type
     sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
