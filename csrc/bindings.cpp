@@ -98,11 +98,12 @@ py::dict build_plan(py::handle qo_indptr, py::handle kv_indptr, py::handle kv_in
     args.force_sink = force_sink;
     cosa::Plan plan = cosa::build_plan(args);
 
+    // the sizes first: the tables move out of the plan below
     const py::ssize_t batch = plan.batch_size();
     const py::ssize_t num_kv_blocks = plan.num_kv_blocks();
     const py::ssize_t num_qtiles = plan.num_qtiles();
     const py::ssize_t num_tiles = plan.num_tiles();
-    const int64_t max_request_blocks = plan.max_request_blocks();  // before the tables move out
+    const int64_t max_request_blocks = plan.max_request_blocks();
     py::dict tables;
     tables["qo_lens"] = to_numpy(std::move(plan.qo_lens), {batch});
     tables["kv_lens"] = to_numpy(std::move(plan.kv_lens), {batch});
