@@ -296,14 +296,20 @@ class Timed:
     replayable: bool = True
 
 
-def as_graph(timed: Timed, warmup: int) -> Timed:
-    """``timed`` replayed from a CUDA graph of enough calls that a replay lasts ``GRAPH_MS``: the
-    GPU's time alone.  Eager calls back to back time the host's launch work instead wherever it
-    takes longer than the GPU's (at 8K, Python's checks and three launches of ~0.2 ms against a
-    sparse run's ~0.2 ms); a server captures its prefill or runs ahead of the GPU."""
-    per_call = time_ms(timed.call, warmup, 3)
+def replayed(fn, warmup: int) -> tuple[GraphCall, int]:
+    """``fn`` replayed from a CUDA graph of enough calls that a replay lasts ``GRAPH_MS``, and that
+    number of calls: the GPU's time alone.  Eager calls back to back time the host's launch work
+    instead wherever it takes longer than the GPU's (at 8K, Python's checks and three launches of
+    ~0.2 ms against a sparse run's ~0.2 ms); a server captures its prefill or runs ahead of the GPU."""
+    per_call = time_ms(fn, warmup, 3)
     calls = min(MAX_GRAPH_CALLS, max(1, math.ceil(GRAPH_MS / per_call)))
-    return Timed(timed.row, GraphCall(timed.call, 0, calls), timed.calls * calls)
+    return GraphCall(fn, 0, calls), calls
+
+
+def as_graph(timed: Timed, warmup: int) -> Timed:
+    """``timed`` as a replay of ``replayed``."""
+    graph, calls = replayed(timed.call, warmup)
+    return Timed(timed.row, graph, timed.calls * calls)
 
 
 class Unavailable(RuntimeError):

@@ -24,10 +24,11 @@ counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritte
 
 Timing. ``--rounds`` rounds; each takes every row in turn, and each row's two versions one after
 the other, with ``time_samples`` (warm-up, ``--settle`` seconds at the row's own clock, then
-``--repeats`` timed calls, eager: not from CUDA graphs, as ``bench_attention.py`` times, and each
-binding the version to the plan's tables anew, so rows whose GPU time is not well above the host's,
-as at 8K, compare host work too), so that both versions see the same drift of clock and power. Which
-version goes first alternates from round to round. A time is the median of all its calls.
+``--repeats`` timed calls, each binding the version to the plan's tables anew), so that both
+versions see the same drift of clock and power. Which version goes first alternates from round to
+round. A time is the median of all its calls. Calls are eager unless ``--graphs`` replays them from
+CUDA graphs, as ``bench_attention.py`` times: eager rows whose GPU time is not well above the
+host's, as at 8K, compare host work too, and their times scatter by several percent.
 Both versions run the same code for ``cosa dense`` unless the dense loop changed, so its ratio
 shows this A/B's noise; so does a run with the same file on both sides. Without a GPU it says
 so and exits 0. bench/NOTES.md logs what each kernel version measured this way.
@@ -52,8 +53,8 @@ from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (B2, B2_BUDGET, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
-                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, skip_cost_ratio,
-                             time_samples)
+                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, replayed,
+                             skip_cost_ratio, time_samples)
 from sass_report import load_variant  # noqa: E402
 
 VERSIONS = ("base", "new")
@@ -139,18 +140,30 @@ def measure(kernels: dict, seq: int, page: int, head_dim: int, args) -> list[Res
         checked[name] = ({version: int(computed.sum()) for version, (*_, computed, _) in outputs.items()},
                          {version: int(skipped.sum()) for version, (*_, skipped) in outputs.items()},
                          compare(outputs["base"], outputs["new"]))
+    ms = time_in_rounds(calls, args)
+    return [Result(seq, page, head_dim, name, *checked[name], {version: ms[name, version] for version in VERSIONS})
+            for name in checked]
+
+
+def time_in_rounds(calls: dict, args) -> dict:
+    """The median time in ms of one call of each ``calls[row, version]``, over ``args.rounds`` rounds
+    that each take every row in turn and, within a row, both versions, eager or (``args.graphs``)
+    replayed from CUDA graphs of several calls."""
+    per_replay = dict.fromkeys(calls, 1)
+    if args.graphs:
+        calls = dict(calls)
+        for key, call in calls.items():
+            calls[key], per_replay[key] = replayed(call, args.warmup)
     samples = {key: [] for key in calls}
+    names = list(dict.fromkeys(name for name, _ in calls))
     for round_ in range(args.rounds):
         # with both sides the same code, the version timed second read skip-all 2-3% faster
         # (bench/NOTES.md, session 24), so the order of the two alternates from round to round
         order = VERSIONS if round_ % 2 == 0 else VERSIONS[::-1]
-        for name in checked:
-            for version in order:
-                samples[name, version] += time_samples(calls[name, version], args.warmup, args.repeats,
-                                                       args.settle)
-    return [Result(seq, page, head_dim, name, *checked[name],
-                   {version: statistics.median(samples[name, version]) for version in VERSIONS})
-            for name in checked]
+        for key in ((name, version) for name in names for version in order):
+            samples[key] += [ms / per_replay[key] for ms in
+                             time_samples(calls[key], args.warmup, args.repeats, args.settle)]
+    return {key: statistics.median(times) for key, times in samples.items()}
 
 
 def format_results(results: list[Result]) -> str:
@@ -177,6 +190,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--settle", type=float, default=0.4, help="seconds each row runs before it is timed")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--graphs", action="store_true", help="replay each row's calls from a CUDA graph")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     unit = max([128] + args.page_sizes)
@@ -204,7 +218,7 @@ def main(argv=None) -> int:
                "new": load_variant(args.new, "osk_new") if args.new else osk}
     kernels = {version: module.osk_forward for version, module in modules.items()}
     print(f"base {args.base}, new {args.new or 'installed'}, each compiled from its file; {args.rounds} rounds, "
-          "medians of all calls")
+          f"{'graph replays' if args.graphs else 'eager calls'}, medians of all calls")
     results = []
     with torch.no_grad():
         for seq in args.seq_lens:

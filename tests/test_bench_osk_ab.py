@@ -150,3 +150,36 @@ def test_a_version_runs_on_the_plan_s_tables(monkeypatch):
     assert [(t.data_ptr(), t.shape, t.stride()) for t in tensors] == \
         [(t.data_ptr(), t.shape, t.stride()) for t in expected]
     assert scalars == (plan.sm_scale, math.log(0.25), 4, 2, 1, plan.tile_order.shape[0])
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_rows_are_timed_in_alternating_rounds_per_call(monkeypatch, graphs):
+    # each round takes every row, a row's two versions back to back, the first of them alternating
+    # from round to round; a graph replay's time counts for the calls it replays
+    from types import SimpleNamespace
+    rng = random.Random()
+    names = [f"row {i}" for i in range(rng.randrange(1, 4))]
+    calls = {(name, version): SimpleNamespace(key=(name, version), calls=1)
+             for name in names for version in bench_osk_ab.VERSIONS}
+    per_call = {key: rng.uniform(0.1, 5.0) for key in calls}
+    timed = []
+
+    def time_samples(call, warmup, repeats, settle):
+        timed.append((call.key, call.calls))
+        return [per_call[call.key] * call.calls * rng.uniform(0.99, 1.01) for _ in range(repeats)]
+
+    def replayed(call, warmup):
+        calls_each = rng.randrange(2, 9)
+        return SimpleNamespace(key=call.key, calls=calls_each), calls_each
+    monkeypatch.setattr(bench_osk_ab, "time_samples", time_samples)
+    monkeypatch.setattr(bench_osk_ab, "replayed", replayed)
+    rounds = 2 * rng.randrange(1, 4)
+    args = bench_osk_ab.parse_args(["v.py", "--rounds", str(rounds)] + (["--graphs"] if graphs else []))
+    ms = bench_osk_ab.time_in_rounds(calls, args)
+    assert ms.keys() == calls.keys()
+    for key, value in ms.items():
+        assert value == pytest.approx(per_call[key], rel=0.011)
+    expected = [(name, version) for round_ in range(rounds) for name in names
+                for version in (bench_osk_ab.VERSIONS if round_ % 2 == 0 else bench_osk_ab.VERSIONS[::-1])]
+    assert [key for key, _ in timed] == expected
+    assert all((calls_each > 1) == graphs for _, calls_each in timed)
