@@ -307,7 +307,7 @@ def replayed(fn, warmup: int) -> tuple[GraphCall, int]:
 
 
 def as_graph(timed: Timed, warmup: int) -> Timed:
-    """``timed`` as a replay of ``replayed``."""
+    """``timed`` with its call replayed from a CUDA graph (``replayed``)."""
     graph, calls = replayed(timed.call, warmup)
     return Timed(timed.row, graph, timed.calls * calls)
 

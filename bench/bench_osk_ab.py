@@ -24,10 +24,10 @@ counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritte
 
 Timing. ``--rounds`` rounds; each takes every row in turn, and each row's two versions one after
 the other, with ``time_samples`` (warm-up, ``--settle`` seconds at the row's own clock, then
-``--repeats`` timed calls, each binding the version to the plan's tables anew), so that both
-versions see the same drift of clock and power. Which version goes first alternates from round to
-round. A time is the median of all its calls. Calls are eager unless ``--graphs`` replays them from
-CUDA graphs, as ``bench_attention.py`` times: eager rows whose GPU time is not well above the
+``--repeats`` timed calls), so that both versions see the same drift of clock and power. Which
+version goes first alternates from round to round. A time is the median of all its calls. Calls
+are eager, each binding the version to the plan's tables anew, unless ``--graphs`` replays them
+from CUDA graphs, as ``bench_attention.py`` times: eager rows whose GPU time is not well above the
 host's, as at 8K, compare host work too, and their times scatter by several percent.
 Both versions run the same code for ``cosa dense`` unless the dense loop changed, so its ratio
 shows this A/B's noise; so does a run with the same file on both sides. Without a GPU it says
