@@ -91,14 +91,14 @@ void check_plan_args(const cosa_plan_args& a) {
         invalid("head_dim must be 64 or 128, got " + std::to_string(a.remap.head_dim));
     if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
         invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
-                std::to_string(static_cast<int>(a.dtype)));
+                std::to_string(a.dtype));
     if (!(a.sm_scale > 0 && a.sm_scale <= COSA_MAX_SM_SCALE))
         invalid("sm_scale must be in (0, " + cosa::repr(COSA_MAX_SM_SCALE) + "] (float32 logits), got " +
                 cosa::repr(a.sm_scale));
     if (!(std::isfinite(a.delta) && a.delta >= 0))
         invalid("delta must be finite and >= 0, got " + cosa::repr(a.delta));
     if (a.proxy != COSA_PROXY_KAP && a.proxy != COSA_PROXY_CALLER)
-        invalid("proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got " + std::to_string(static_cast<int>(a.proxy)));
+        invalid("proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got " + std::to_string(a.proxy));
     if (a.remap.num_pages > std::numeric_limits<int32_t>::max())
         invalid("num_pages must fit in int32, got " + std::to_string(a.remap.num_pages));
 }
@@ -391,7 +391,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         cosa::Plan host = cosa::build_plan(args->remap);
 #ifdef COSA_AOT_KERNELS
         auto plan = std::make_unique<cosa_plan>();
-        plan->dtype = args->dtype;
+        plan->dtype = static_cast<cosa_dtype>(args->dtype);
         plan->head_dim = args->remap.head_dim;
         plan->page_size = args->remap.page_size;
         plan->num_kv_heads = args->remap.num_kv_heads;
@@ -402,7 +402,7 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
         plan->total_q = args->remap.qo_indptr[args->remap.qo_indptr_size - 1];
         plan->force_local = args->remap.force_local;
         plan->force_sink = args->remap.force_sink;
-        plan->proxy = args->proxy;
+        plan->proxy = static_cast<cosa_proxy>(args->proxy);
         const bool ranks = kap_ranks(plan->proxy, host);
         const int64_t num_qtiles = host.num_qtiles();
         // Head counts are bounded only by int32: with no query rows, KAP's key means can ask for

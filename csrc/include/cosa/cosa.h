@@ -208,11 +208,13 @@ typedef enum cosa_proxy {
 typedef struct cosa_plan_args {
     cosa_remap_args remap; /* page table, heads and selection, as for cosa_remap_plan_create;
                               remap.head_dim 64 or 128 */
-    cosa_dtype dtype;      /* of q, the cache and o */
+    int32_t dtype;         /* a cosa_dtype: of q, the cache and o (int32_t, not the enum, so
+                              that any value a caller stores is one libcosa can reject) */
     double sm_scale;       /* logit scale in (0, COSA_MAX_SM_SCALE]
                               (usually 1/sqrt(head_dim)) */
     double delta;          /* stage-2 skip threshold, finite and >= 0; 0 computes every selected block */
-    cosa_proxy proxy;      /* COSA_PROXY_KAP (zero-initialised args) or COSA_PROXY_CALLER */
+    int32_t proxy;         /* a cosa_proxy: COSA_PROXY_KAP (zero-initialised args) or
+                              COSA_PROXY_CALLER */
 } cosa_plan_args;
 
 typedef struct cosa_plan cosa_plan;
