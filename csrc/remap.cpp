@@ -215,9 +215,9 @@ void build_tile_order(Plan& plan, const PlanArgs& args) {
     const int64_t num_tiles = plan.num_tiles();  // < 2^24 qtiles * 2^31 heads
     // The first test bounds num_tiles, so that the product cannot overflow.
     if (2 * num_tiles > kInt32Max || num_tiles * plan.k_max > kInt32Max) {
-        fail("num_qo_heads=", plan.num_qo_heads, " with ", plan.num_qtiles(),
-             " query tiles and k_max=", plan.k_max,
-             " gives a tile order or order mask with more than ", kInt32Max, " entries");
+        fail("qo_indptr, num_qo_heads and budget: ", plan.num_qtiles(), " query tiles x num_qo_heads=",
+             plan.num_qo_heads, " with k_max=", plan.k_max,
+             " give a tile order or order mask of more than ", kInt32Max, " entries");
     }
     std::vector<int32_t> qtiles_by_length(static_cast<size_t>(plan.num_qtiles()));
     std::iota(qtiles_by_length.begin(), qtiles_by_length.end(), 0);
