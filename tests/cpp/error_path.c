@@ -4,7 +4,7 @@
 
 #include <cosa/cosa.h>
 
-/* Returns 0 when a non-decreasing kv_indptr is rejected as documented. */
+/* Returns 0 when a decreasing kv_indptr is rejected as documented. */
 int check_error_path(void) {
     const int32_t qo_indptr[] = {0, 10, 20};
     const int32_t kv_indptr[] = {0, 3, 2};
