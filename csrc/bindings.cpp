@@ -273,6 +273,7 @@ past kv_len. Raises ValueError naming plan or order when they disagree.)doc");
 
     // libcosa's exported kernels, launched as cosa_run launches them: unchecked (the
     // Python launchers check first), on the current device's stream given by address.
+    m.attr("LIBCOSA") = COSA_LIBRARY_FILE;  // the file name of the libcosa this module loads, from lib/
     m.def("has_kernels", &cosa_has_kernels, "Whether libcosa was built with the kernels (COSA_AOT_KERNELS).");
     m.def("launch_osk", &launch_osk, py::arg("dtype"), py::arg("head_dim"), py::arg("tensors"),
           py::arg("sm_scale"), py::arg("log_delta"), py::arg("page_shift"), py::arg("group"),

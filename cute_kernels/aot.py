@@ -29,8 +29,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
-# Where an installed wheel keeps libcosa: cosa/lib, beside this package (cosa/cute_kernels).
-LIBCOSA = Path(__file__).resolve().parents[1] / "lib" / "libcosa.so"
 DISABLE_AOT = "COSA_DISABLE_AOT"  # set (not "0"): always compile, even when libcosa has the kernels
 
 _SHORT = {"bfloat16": "bf16", "float16": "fp16"}
@@ -80,17 +78,24 @@ def kernel_source(kernel: Kernel, dtype_name: str, head_dim: int) -> KernelSourc
     return load_kernel(kernel, dtype_name, head_dim)[1]
 
 
-@functools.cache
-def _load(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | None, KernelSource]:
+def libcosa_path() -> Path:
+    """The libcosa that ``cosa._C`` loads, in the package's lib/ (beside this cosa/cute_kernels)."""
     from .. import _C   # here: the build runs this file as cute_kernels.aot, outside the package
 
+    return Path(__file__).resolve().parents[1] / "lib" / _C.LIBCOSA
+
+
+@functools.cache
+def _load(kernel: Kernel, dtype_name: str, head_dim: int) -> tuple[Callable | None, KernelSource]:
+    from .. import _C
+
     if not _C.has_kernels():
-        return None, KernelSource("jit", f"{LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)")
+        return None, KernelSource("jit", f"{libcosa_path()} was built without the kernels (COSA_AOT_KERNELS)")
     launch = getattr(_C, f"launch_{kernel}")
 
     def launcher(words: list[int], scalars, stream: int) -> None:
         launch(dtype_name, head_dim, words, *scalars, stream)
-    return launcher, KernelSource("aot", str(LIBCOSA))
+    return launcher, KernelSource("aot", str(libcosa_path()))
 
 
 def tensor_words(tensors) -> list[int]:

@@ -75,7 +75,7 @@ def example(site) -> Path:
 
 
 def _libcosa(site: Path) -> Path:
-    return site / "cosa" / "lib" / "libcosa.so"
+    return site / "cosa" / "lib" / cosa._C.LIBCOSA
 
 
 def test_example_links_against_installed_wheel(site, example):
@@ -116,7 +116,7 @@ def loader(monkeypatch):
 def test_loader_reports_a_libcosa_built_without_kernels(loader, monkeypatch):
     monkeypatch.setattr(cosa._C, "has_kernels", lambda: False)
     assert loader.load_kernel("kap_pool", "float16", 64) == \
-        (None, KernelSource("jit", f"{aot.LIBCOSA} was built without the kernels (COSA_AOT_KERNELS)"))
+        (None, KernelSource("jit", f"{aot.libcosa_path()} was built without the kernels (COSA_AOT_KERNELS)"))
 
 
 @pytest.mark.parametrize("kernel,scalars", [("osk", (0.125, -2.5, 4, 4, 1, 7)), ("kap_pool", (3,)),
@@ -126,7 +126,7 @@ def test_loaded_kernel_passes_libcosa_its_words_scalars_and_stream(loader, monke
     monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
     monkeypatch.setattr(cosa._C, f"launch_{kernel}", lambda *args: calls.append(args))
     launcher, source = loader.load_kernel(kernel, "float16", 64)
-    assert source == KernelSource("aot", str(aot.LIBCOSA))
+    assert source == KernelSource("aot", str(aot.libcosa_path()))
     words, stream = [random.randrange(2**40) for _ in range(16)], random.randrange(1, 2**48)
     launcher(words, scalars, stream)
     assert calls == [("float16", 64, words, *scalars, stream)]
@@ -283,8 +283,8 @@ class _RemapArgs(ctypes.Structure):
 
 
 class _PlanArgs(ctypes.Structure):
-    _fields_ = [("remap", _RemapArgs), ("dtype", ctypes.c_int), ("sm_scale", ctypes.c_double),
-                ("delta", ctypes.c_double), ("proxy", ctypes.c_int)]
+    _fields_ = [("remap", _RemapArgs), ("dtype", ctypes.c_int32), ("sm_scale", ctypes.c_double),
+                ("delta", ctypes.c_double), ("proxy", ctypes.c_int32)]
 
 
 class _RunArgs(ctypes.Structure):
@@ -382,7 +382,7 @@ BAD_PLAN_ARGS = {
 def test_plan_create_rejects_bad_arguments_naming_them(changes, message):
     # checked before any CUDA call and before the kernels are needed: the installed package's
     # libcosa answers, built with the kernels or not, with or without a GPU
-    c_api = _CApi(Path(cosa.__file__).parent / "lib" / "libcosa.so")
+    c_api = _CApi(aot.libcosa_path())
     status, plan = c_api.create(c_api.plan_args(1000, **changes))
     assert (status, plan.value) == (_INVALID_ARGUMENT, None)
     assert c_api.error().startswith(message)
@@ -395,7 +395,7 @@ class _RemapPlanSizes(ctypes.Structure):
 
 def test_c_api_refuses_null_pointers_and_wrong_sizes():
     # the installed package's libcosa, built with the kernels or not, with or without a GPU
-    c_api = _CApi(Path(cosa.__file__).parent / "lib" / "libcosa.so")
+    c_api = _CApi(aot.libcosa_path())
     lib, plan = c_api.lib, ctypes.c_void_p()
     args = c_api.plan_args(1000)
     for call, message in (
@@ -447,8 +447,18 @@ def test_plan_create_refuses_device_arrays_beyond_int64_words(c_api):
                              f"give the plan more than {2**63 // 8 - 1} words")
 
 
+def test_libcosa_is_named_by_its_minor_version_and_installed_once():
+    # 0.x: another minor may change the ABI, so a program linked against one fails to load
+    # another's libcosa; and the wheel ships no second copy in place of the libcosa.so link
+    library = aot.libcosa_path()
+    major, minor = cosa.__version__.split(".")[:2]
+    assert library.name == f"libcosa.so.{major}.{minor}"
+    assert f"Library soname: [{library.name}]" in _run("readelf", "-d", library)
+    assert [path.name for path in library.parent.glob("libcosa*")] == [library.name]
+
+
 def test_plan_create_without_the_kernels_says_so():
-    library = Path(cosa.__file__).parent / "lib" / "libcosa.so"
+    library = aot.libcosa_path()
     c_api = _CApi(library)
     if c_api.lib.cosa_has_kernels():
         pytest.skip("the installed cosa was built with the kernels")
