@@ -343,6 +343,9 @@ def test_scalar_checks(batch):
         cosa.plan(*args[:4], 4, 0, D, PAGE)
     with expect(TypeError, "num_qo_heads"):
         cosa.plan(*args[:4], 4.0, 2, D, PAGE)
+    with expect(ValueError, "num_qo_heads must be <= 2147483647, got 1180591620717411303424"):
+        cosa.plan(*args[:4], 2**70, 2, D, PAGE)
+    assert type(cosa.plan(*args[:4], np.int64(4), np.int32(2), D, PAGE).num_qo_heads) is int  # kept as ints
     with expect(ValueError, "head_dim"):
         cosa.plan(*args[:6], 96, PAGE)
     with expect(TypeError, "head_dim must be an int, got float"):
@@ -359,6 +362,9 @@ def test_scalar_checks(batch):
         cosa.plan(*args, delta=-0.1)
     with expect(TypeError, "delta must be a float, got str"):
         cosa.plan(*args, delta="0.1")
+    for name in ("budget", "delta", "sm_scale"):   # ints no float holds
+        with expect(ValueError, f"{name} is beyond a float's range: an int of 1329 bits"):
+            cosa.plan(*args, **{name: 10**400})
     assert cosa.plan(*args, delta=np.float32(0.5), sm_scale=np.float64(0.25)).delta == 0.5  # numpy scalars are floats
     with expect(ValueError, "sm_scale"):
         cosa.plan(*args, sm_scale=0.0)
@@ -380,6 +386,8 @@ def test_run_argument_checks(batch):
     plan = cosa.plan(*plan_args(batch), q_data_type=torch.bfloat16)
     with expect(TypeError, "plan"):
         cosa.run("plan", batch.q, batch.cache)
+    with expect(TypeError, "return_lse must be a bool, got str"):
+        cosa.run(plan, batch.q, batch.cache, return_lse="no")
     with expect(TypeError, "q must be a torch.Tensor, got list"):
         cosa.run(plan, batch.q.tolist(), batch.cache)
     with expect(TypeError, "q is torch.float32, but the plan was made for q_data_type=torch.bfloat16"):

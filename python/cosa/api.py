@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import itertools
 import math
-import numbers
 import warnings
 import weakref
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import byte_span, check_apart, check_int, check_tensor
+from .checks import as_float, byte_span, check_apart, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -228,44 +227,43 @@ def check_workspace(workspace) -> torch.Tensor:
 
 
 def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale,
-                        q_data_type, kv_data_type, kv_layout, proxy, causal, force_local, force_sink) -> float:
-    """Checks plan's scalar arguments (the page table's content is the C++ layer's); returns sm_scale."""
+                        q_data_type, kv_data_type, kv_layout, proxy, causal, force_local, force_sink) -> tuple:
+    """Checks plan's scalar arguments (the page table's content and budget's range are the C++
+    layer's); returns ``(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
+    sm_scale)`` as ints and floats."""
     check_kv_layout(kv_layout)
     check_proxy(proxy)
-    check_int("num_qo_heads", num_qo_heads)
-    check_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
-    check_int("head_dim", head_dim)
+    num_qo_heads = check_int("num_qo_heads", num_qo_heads)
+    num_kv_heads = check_int("num_kv_heads", num_kv_heads)  # that it divides num_qo_heads: _C.build_plan
+    head_dim = check_int("head_dim", head_dim)
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
-    check_int("page_size", page_size)
+    page_size = check_int("page_size", page_size)
     for name, dtype in (("q_data_type", q_data_type), ("kv_data_type", kv_data_type)):
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
-    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
-        raise TypeError(f"budget must be a float, got {type(budget).__name__}")
-    _check_delta("delta", delta)
+    budget = as_float("budget", budget)
+    delta = _check_delta("delta", delta)
     for name, flag in (("causal", causal), ("force_local", force_local), ("force_sink", force_sink)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    if sm_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    _check_sm_scale("sm_scale", sm_scale)
-    return sm_scale
+    sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _check_sm_scale("sm_scale", sm_scale)
+    return num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale
 
 
 # delta and sm_scale are checked by plan and, since a Plan's may be replaced, by each run
-def _check_delta(name: str, delta) -> None:
-    if isinstance(delta, bool) or not isinstance(delta, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(delta).__name__}")
-    if not 0 <= delta < math.inf:
+def _check_delta(name: str, delta) -> float:
+    value = as_float(name, delta)
+    if not 0 <= value < math.inf:
         raise ValueError(f"{name} must be a finite float >= 0, got {delta!r}")
+    return value
 
 
-def _check_sm_scale(name: str, sm_scale) -> None:
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(sm_scale).__name__}")
-    if not 0 < sm_scale <= _C.MAX_SM_SCALE:
+def _check_sm_scale(name: str, sm_scale) -> float:
+    value = as_float(name, sm_scale)
+    if not 0 < value <= _C.MAX_SM_SCALE:
         raise ValueError(f"{name} must be in (0, {_C.MAX_SM_SCALE:.4g}] (float32 logits), got {sm_scale!r}")
+    return value
 
 
 def _replan(page_table, device: str, options: dict) -> Plan:
@@ -296,9 +294,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     (``resize_``) while they live, as the kernels keep the addresses it had.
     """
     kv_data_type = kv_data_type or q_data_type
-    sm_scale = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
-                                   sm_scale, q_data_type, kv_data_type, kv_layout, proxy, causal,
-                                   force_local, force_sink)
+    num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale = _check_plan_options(
+        num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale, q_data_type,
+        kv_data_type, kv_layout, proxy, causal, force_local, force_sink)
     causal, force_local, force_sink = bool(causal), bool(force_local), bool(force_sink)   # numpy's too
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
@@ -313,7 +311,7 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     tables = _C.build_plan(host["qo_indptr"], host["kv_indptr"], host["kv_indices"],
                            host["kv_last_page_len"], num_pages=2**31 - 1, page_size=page_size,
                            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                           causal=causal, budget=float(budget),
+                           causal=causal, budget=budget,
                            force_local=force_local, force_sink=force_sink)
     used_pages = host["kv_indices"][:host["kv_indptr"][-1]]
     k_max = tables["k_max"]
@@ -347,8 +345,8 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
 
     new_plan = Plan(
         num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        page_size=page_size, kv_layout=kv_layout, causal=causal, budget=float(budget),
-        delta=float(delta), sm_scale=float(sm_scale), force_local=force_local,
+        page_size=page_size, kv_layout=kv_layout, causal=causal, budget=budget,
+        delta=delta, sm_scale=sm_scale, force_local=force_local,
         force_sink=force_sink, proxy=proxy, q_data_type=q_data_type,
         kv_data_type=kv_data_type, device=device,
         qo_indptr_host=tuple(int(x) for x in host["qo_indptr"]),
@@ -499,6 +497,8 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     plan's launches on its tables and buffers: keep the plan alive while the graph may
     replay, and capture again after re-planning a wrapper or a workspace.
     """
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     if out is None:
         out = torch.empty_like(q)

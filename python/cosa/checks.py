@@ -8,24 +8,38 @@ import numbers
 import torch
 
 
-def check_int(name: str, x, minimum: int = 1) -> int:
-    """``x`` as an int, if it is an integer (not a bool) of at least ``minimum``."""
+INT32_MAX = 2**31 - 1  # the plan's tables and the kernels count in int32
+
+
+def check_int(name: str, x, minimum: int = 1, maximum: int = INT32_MAX) -> int:
+    """``x`` as an int, if it is an integer (not a bool) in ``[minimum, maximum]``."""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     if x < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {x}")
+    if x > maximum:
+        raise ValueError(f"{name} must be <= {maximum}, got {x}")
     return int(x)
+
+
+def as_float(name: str, x) -> float:
+    """``x`` as a float, if it is a real number (not a bool) that a float holds (NaN included)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    try:
+        return float(x)
+    except OverflowError:   # an int of more than ~1024 bits
+        raise ValueError(f"{name} is beyond a float's range: an int of {int(x).bit_length()} bits") from None
 
 
 def check_float(name: str, x, low: float = -math.inf, high: float = math.inf) -> float:
     """``x`` as a float, if it is a real number (not a bool) in ``[low, high]``."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    if x != x:   # NaN (math.isnan would overflow on a huge int)
+    value = as_float(name, x)
+    if value != value:
         raise ValueError(f"{name} must be a number, got NaN")
-    if not low <= x <= high:
+    if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {x!r}")
-    return float(x)
+    return value
 
 
 def check_tensor(name: str, x, dim: int | None = None) -> torch.Tensor:
