@@ -146,6 +146,18 @@ def test_first_block_is_never_skipped():
     torch.testing.assert_close(lse, torch.full_like(lse, math.log(128)))
 
 
+def test_the_smallest_delta_skips_nothing():
+    # the threshold ln(delta) - ln(kv_len) is finite although delta / kv_len underflows to 0
+    q = torch.randn(256, 2, 64, dtype=torch.float64)
+    k, v = torch.randn(2, 512, 2, 64, dtype=torch.float64)
+    order = torch.randperm(4, dtype=torch.int32).expand(2, 2, 4).contiguous()
+    o, lse, computed, skipped = ordered_skip_attention(q, k, v, order, causal=False, sm_scale=0.125, delta=5e-324)
+    assert (computed == 4).all() and (skipped == 0).all()
+    o_dense, lse_dense = dense_attention(q, k, v, causal=False, sm_scale=0.125)
+    torch.testing.assert_close(o, o_dense)
+    torch.testing.assert_close(lse, lse_dense)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_inputs_track_float64(dtype):
     g = torch.Generator().manual_seed(torch.seed())

@@ -20,7 +20,7 @@ _DENSE_ROWS = 512  # query rows per chunk of dense attention, bounding its memor
 
 def skip_threshold(delta: float, kv_len: int) -> float:
     """``ln(delta / kv_len)``: a block whose best row gains less than this is skipped."""
-    return math.log(delta / kv_len) if delta > 0 else -math.inf
+    return math.log(delta) - math.log(kv_len) if delta > 0 else -math.inf   # delta / kv_len may underflow
 
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool,
