@@ -7,7 +7,8 @@ proxy, so they differ only in how they rank the non-forced candidates.
 
 - ``kap``: CoSA's kernel-aware proxy, pooled ``qbar . kbar`` (the default).
 - ``xattention8`` / ``xattention16``: XAttention's antidiagonal scoring, stride 8 / 16.
-- ``flexprefill``: FlexPrefill's pooled softmax (ranks like ``kap`` at a fixed budget).
+- ``flexprefill``: FlexPrefill's pooled softmax (ranks like ``kap`` at a fixed budget, but for
+  blocks whose probabilities underflow).
 - ``vertical_slash``: MInference's vertical and slash lines from the last 64 queries.
 - ``oracle``: the exact attention mass per block (dense attention; the ceiling for studies).
 """
