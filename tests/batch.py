@@ -20,6 +20,13 @@ class Batch:
     kv_lens: list
 
 
+def fresh_generator() -> torch.Generator:
+    """A generator on a fresh seed, printed so that a failing case (pytest shows its output) replays."""
+    seed = torch.seed()
+    print(f"seed={seed}")
+    return torch.Generator().manual_seed(seed)
+
+
 def make_batch(q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, *, layout="NHD",
                combined=True, dtype=torch.float64, spare_pages=3, generator=None, qkv=None) -> Batch:
     """Pages are shuffled in a cache with spare pages; unused rows hold NaN so any read of them shows."""

@@ -15,7 +15,7 @@ import torch
 import cosa
 import cosa.cute_kernels
 import oracle
-from batch import make_batch
+from batch import fresh_generator, make_batch
 from cosa import api
 
 HQ, HKV, D, PAGE = 4, 2, 64, 16
@@ -24,7 +24,7 @@ HQ, HKV, D, PAGE = 4, 2, 64, 16
 @pytest.fixture
 def batch():
     return make_batch([100, 40], [300, 40], HQ, HKV, D, PAGE, dtype=torch.bfloat16,
-                      generator=torch.Generator().manual_seed(torch.seed()))
+                      generator=fresh_generator())
 
 
 def plan_args(batch):
@@ -206,7 +206,7 @@ def test_a_dead_plan_leaves_no_workspace_entry(batch):
 def test_a_run_that_fails_part_way_leaves_no_plan_its_bytes(monkeypatch):
     # the second plan's order mask covers the first's counts; its run fails after writing it
     batch = make_batch([600, 600], [2000, 2000], HQ, HKV, D, PAGE, dtype=torch.bfloat16,
-                       generator=torch.Generator().manual_seed(torch.seed()))
+                       generator=fresh_generator())
     workspace = torch.zeros(1 << 18, dtype=torch.uint8)
     first = cosa.plan(*plan_args(batch), budget=0.1, workspace=workspace)
     cosa.run(first, batch.q, batch.cache)
@@ -230,7 +230,7 @@ def test_a_run_that_fails_part_way_leaves_no_plan_its_bytes(monkeypatch):
 def test_a_copied_plan_is_the_same_plan_with_buffers_of_its_own(copy_plan):
     # an empty request and one of a single token too: their last pages are rebuilt from the plan
     batch = make_batch([100, 0, 40, 1], [300, 0, 40, 129], HQ, HKV, D, PAGE, dtype=torch.bfloat16,
-                       generator=torch.Generator().manual_seed(torch.seed()))
+                       generator=fresh_generator())
     workspace = torch.zeros(1 << 16, dtype=torch.uint8)
     original = dataclasses.replace(cosa.plan(*plan_args(batch), budget=0.5, force_sink=False, workspace=workspace),
                                    delta=0.3)
@@ -470,7 +470,7 @@ def test_run_argument_checks(batch):
 def test_calibrated_delta_reaches_the_target_density():
     from cosa.calibrate import calibrate_delta
     from cosa.synthetic import structured_qkv
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     structured = lambda r, q_len, kv_len: structured_qkv(kv_len, HQ, HKV, D, q_len=q_len, generator=g)  # noqa: E731
     batch = make_batch([1024], [1024], HQ, HKV, D, PAGE, dtype=torch.float32, generator=g, qkv=structured)
     plan = cosa.plan(*plan_args(batch), budget=0.5, delta=0.0, q_data_type=torch.float32)

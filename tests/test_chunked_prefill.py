@@ -9,7 +9,7 @@ import torch
 
 import cosa
 import oracle
-from batch import make_batch
+from batch import fresh_generator, make_batch
 
 HQ, HKV, D = 4, 2, 64
 
@@ -25,7 +25,7 @@ def prefix_page_table(batch, kv_len: int, page_size: int):
 def test_chunks_against_a_growing_cache_equal_one_prefill(page_size):
     """Dense mode: each chunk's queries attend to the cache written so far (the
     chunk's own keys included, bottom-right causal), as a serving engine does."""
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     seq = 700
     batch = make_batch([seq], [seq], HQ, HKV, D, page_size, generator=g)
     q, k, v = batch.requests[0]
@@ -47,7 +47,7 @@ def test_merging_prefix_and_chunk_states_equals_attention_over_both():
     """A chunk's attention splits into the cached prefix (every row sees all of it:
     non-causal) and the chunk's own keys (causal); merging the two by LSE gives
     attention over the whole cache."""
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     prefix, chunk, page_size = 384, 200, 32
     q = torch.randn(chunk, HQ, D, generator=g, dtype=torch.float64)
     k, v = (torch.randn(prefix + chunk, HKV, D, generator=g, dtype=torch.float64) for _ in range(2))

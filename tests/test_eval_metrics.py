@@ -14,6 +14,8 @@ from cosa.paged import uniform_page_table
 from cosa.proxy import PROXIES, proxy_order
 from cosa.proxy.oracle import attention_block_mass
 
+from batch import fresh_generator
+
 
 def test_order_to_mask_and_hand_built_recall_and_iou():
     order = torch.tensor([[[2, 0, -1], [1, -1, -1]]], dtype=torch.int32)        # 1 tile, 2 heads
@@ -41,7 +43,7 @@ def test_relative_error_per_head():
 @pytest.mark.parametrize("q_len, kv_len, causal", [(300, 300, True), (256, 256, True), (200, 520, True),
                                                     (200, 330, False)])
 def test_block_mass_matches_a_loop_over_rows(q_len, kv_len, causal):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     q = torch.randn(q_len, 4, 64, generator=g)
     k = torch.randn(kv_len, 2, 64, generator=g) * 2
     mass = attention_block_mass(q, k, causal=causal, sm_scale=0.125)
@@ -61,7 +63,7 @@ def test_block_mass_matches_a_loop_over_rows(q_len, kv_len, causal):
 @pytest.mark.parametrize("force_local,force_sink", [(True, True), (True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("ordering", ["ascending", "random"])
 def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering, force_local, force_sink):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     n = 1500
     q, k = torch.randn(n, 2, 64, generator=g), torch.randn(n, 1, 64, generator=g)
     flags = {"force_local": force_local, "force_sink": force_sink}
@@ -85,7 +87,7 @@ def test_reordering_keeps_the_forced_prefix_and_the_selected_set(ordering, force
 def test_oracle_proxy_recalls_the_most_mass_any_proxy_can():
     """The oracle proxy lists the forced blocks, then the most massive others (float64 brute force
     here); so its mass recall bounds every proxy's at the same budget."""
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     n, budget = 700, 0.3
     q, k, v = torch.randn(n, 2, 64, generator=g) * 2, torch.randn(n, 1, 64, generator=g), torch.randn(n, 1, 64)
     records = captured_attention_study([(0, (q, k, v))], [budget], [0.0], ordering_budgets=(), gammas=(),

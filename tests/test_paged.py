@@ -8,6 +8,8 @@ import torch
 from cosa.paged import (gather_pages, indptr, page_table, paged_kv_cache, scatter_pages, split_kv_cache,
                         to_pages, uniform_page_table)
 
+from batch import fresh_generator
+
 KV_LENS = [1, 129, 300, 0, 128, 17]
 HEADS, D = 2, 8
 
@@ -15,7 +17,7 @@ HEADS, D = 2, 8
 @pytest.mark.parametrize("page_size", [16, 128])
 @pytest.mark.parametrize("kv_layout,combined", [("NHD", True), ("HND", True), ("NHD", False), ("HND", False)])
 def test_paged_kv_cache_round_trips(kv_layout, combined, page_size):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     k, v = (torch.randn(sum(KV_LENS), HEADS, D, generator=g) for _ in range(2))
     cache, kv_indptr, kv_indices, last = paged_kv_cache(k, v, KV_LENS, page_size, kv_layout, combined=combined,
                                                         generator=g)

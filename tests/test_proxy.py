@@ -20,7 +20,7 @@ from cosa.proxy.order import order_from_scores
 from cosa.synthetic import structured_qkv
 
 import oracle
-from batch import make_batch
+from batch import fresh_generator, make_batch
 
 BLOCK = 128
 HQ, HKV, D, PAGE = 4, 2, 64, 32
@@ -101,7 +101,7 @@ def model_scores(proxy, q, k, tile, h, causal, sm_scale, candidates):
 @pytest.mark.parametrize("q_len,kv_len,causal", [(300, 700, True), (200, 200, True), (300, 700, False),
                                                  (300, 200, False), (300, 40, False)])
 def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
 
     def structured(r, q_len, kv_len):   # more queries than keys (non-causal): keys of the first positions
         q, k, v = structured_qkv(max(q_len, kv_len), HQ, HKV, D, q_len=q_len, segment_len=96, generator=g,
@@ -129,7 +129,7 @@ def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal)
 
 
 def test_proxies_disagree_somewhere_and_full_budget_is_dense_for_all():
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
         kv_len, HQ, HKV, D, q_len=q_len, segment_len=96, generator=g, dtype=torch.float64)
     batch = make_batch([1024], [2048], HQ, HKV, D, PAGE, generator=g, qkv=structured)
@@ -187,7 +187,7 @@ def test_the_ranking_key_s_fields_hold_their_values_apart():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_order_puts_forced_blocks_first_breaks_score_ties_by_the_larger_block_and_ties_signed_zeros(
         dtype, force_local, force_sink):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     q_len, kv_len = 1500, 1500 + int(torch.randint(0, 300, (), generator=g))   # diagonals across blocks
     plan = cosa.plan(*uniform_page_table(1, q_len, kv_len, 128, "cpu"), HQ, HKV, D, 128, budget=0.5,
                      q_data_type=dtype, force_local=force_local, force_sink=force_sink)

@@ -12,7 +12,7 @@ from cosa.reference import dense_attention, ordered_skip_attention
 from cosa.synthetic import structured_qkv
 
 import oracle
-from batch import make_batch
+from batch import fresh_generator, make_batch
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
 
@@ -35,7 +35,7 @@ def request_rows(batch, r):
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("layout,combined", [("NHD", True), ("HND", True), ("NHD", False), ("HND", False)])
 def test_full_budget_without_skipping_is_dense(page_size, layout, combined):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     hq, hkv, d = 4, 2, 64
     q_lens, kv_lens = [130, 0, 77, 256], [300, 40, 77, 500]     # ragged, chunked, empty, aligned
     batch = make_batch(q_lens, kv_lens, hq, hkv, d, page_size, layout=layout, combined=combined, generator=g)
@@ -52,7 +52,7 @@ def test_full_budget_without_skipping_is_dense(page_size, layout, combined):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("group", [1, 4])
 def test_dense_reference_matches_oracle(causal, group):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     q = torch.randn(200, 2 * group, 64, generator=g, dtype=torch.float64)
     k, v = (torch.randn(333, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
     o, lse = dense_attention(q, k, v, causal=causal, sm_scale=0.1)
@@ -64,7 +64,7 @@ def test_dense_reference_matches_oracle(causal, group):
 @pytest.mark.parametrize("budget,delta", [(0.25, 0.05), (0.5, 0.2), (0.1, 0.0), (1.0, 0.05)])
 @pytest.mark.parametrize("force", [(True, True), (False, True), (True, False), (False, False)])
 def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     hq, hkv, d, page_size = 4, 1, 64, 32
     q_lens, kv_lens = [384, 200], [1100, 200]
     structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
@@ -96,7 +96,7 @@ def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
 
 
 def test_visiting_order_does_not_change_the_output_without_skipping():
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     q_len, kv_len = 256, 640
     q = torch.randn(q_len, 2, 64, generator=g, dtype=torch.float64)
     k, v = (torch.randn(kv_len, 1, 64, generator=g, dtype=torch.float64) for _ in range(2))
@@ -115,7 +115,7 @@ def test_hand_built_skips(strong_later_block):
     d, q_len, kv_len = 64, 128, 512
     direction = torch.zeros(d, dtype=torch.float64)
     direction[0] = 1.0
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     q = direction.expand(q_len, 1, d).clone()
     k = 0.01 * torch.randn(kv_len, 1, d, generator=g, dtype=torch.float64)
     v = torch.randn(kv_len, 1, d, generator=g, dtype=torch.float64)
@@ -160,7 +160,7 @@ def test_the_smallest_delta_skips_nothing():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_inputs_track_float64(dtype):
-    g = torch.Generator().manual_seed(torch.seed())
+    g = fresh_generator()
     hq, hkv, d, page_size = 8, 2, 128, 64
     batch = make_batch([300], [700], hq, hkv, d, page_size, dtype=dtype, generator=g)
     _, o, _ = run_batch(batch, hq, hkv, d, page_size, budget=1.0, delta=0.0)
