@@ -162,7 +162,7 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
     assert torch.equal(computed + skipped, stats.selected[:, None].expand_as(computed)), \
         "computed + skipped must equal the blocks stage 1 selected"
 
-    num = den = lse_err = 0.0
+    rel = lse_err = 0.0   # the worst request's relative error of o, the worst row's of lse
     flips = 0
     for r, (q64, k64, v64) in enumerate(batch.requests):
         if q64.shape[0] == 0:
@@ -185,9 +185,9 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
         same = (computed[tiles] == ref_c) & (skipped[tiles] == ref_s)    # [tiles, hq]
         flips += int((~same).sum())
         row_same = same.repeat_interleave(128, 0)[:q64.shape[0]]          # [q_len, hq]
-        diff = (o[rows] - ref_o) * row_same[..., None]
-        num += float(diff.pow(2).sum())
-        den += float((ref_o * row_same[..., None]).pow(2).sum())
+        norm = float((ref_o * row_same[..., None]).norm())
+        if norm > 0:
+            rel = max(rel, float(((o[rows] - ref_o) * row_same[..., None]).norm()) / norm)
         ref_lse = ref_lse.double()
         no_key = torch.isinf(ref_lse) & row_same
         assert torch.equal(torch.isinf(lse[rows]) & row_same, no_key), "lse -inf pattern differs"
@@ -195,12 +195,13 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
         finite = row_same & ~torch.isinf(ref_lse)
         if finite.any():
             lse_err = max(lse_err, float((lse[rows][finite] - ref_lse[finite]).abs().max()))
-    rel = (num / den) ** 0.5 if den > 0 else 0.0
     num_tiles = computed.numel()
     skip_rate = float(skipped.sum()) / max(1, int((computed + skipped).sum()))
     print(f"rel={rel:.2e} lse_err={lse_err:.2e} flips={flips}/{num_tiles} skip_rate={skip_rate:.3f}")
+    # per request, so that one short request's wrong rows are not averaged away by the others:
+    # bf16's output rounding alone is ~1e-3; lse, from fp32 sums, is off by ~1e-5
     assert rel <= 1e-2, f"relative error {rel} (seed={seed})"
-    assert lse_err <= 1e-2, f"lse error {lse_err} (seed={seed})"
+    assert lse_err <= 1e-3, f"lse error {lse_err} (seed={seed})"
     assert flips <= max(1, num_tiles // 100), f"skip decisions differ on {flips}/{num_tiles} tiles (seed={seed})"
     if delta == 0:
         assert flips == 0 and int(skipped.sum()) == 0
