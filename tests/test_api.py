@@ -335,6 +335,15 @@ def test_page_index_beyond_the_cache_is_caught_in_run(batch):
         cosa.run(plan, batch.q, batch.cache)
 
 
+def test_a_cache_must_hold_every_page_the_plan_refers_to(batch):
+    plan = cosa.plan(*plan_args(batch))
+    needed = int(batch.kv_indices[:int(batch.kv_indptr[-1])].max()) + 1
+    whole = cosa.run(plan, batch.q, batch.cache)
+    torch.testing.assert_close(cosa.run(plan, batch.q, batch.cache[:needed]), whole, rtol=0, atol=0)
+    with expect(ValueError, f"paged_kv_cache has {needed - 1} pages, but kv_indices refers to page {needed - 1}"):
+        cosa.run(plan, batch.q, batch.cache[:needed - 1])
+
+
 def test_scalar_checks(batch):
     args = plan_args(batch)
     with expect(ValueError, "num_kv_heads must be positive and divide num_qo_heads=6"):
