@@ -62,7 +62,7 @@ def ordered_skip(q, k, v, order, q_len, kv_len, causal, sm_scale, delta):
     tiles = len(order)
     computed = torch.zeros(tiles, hq, dtype=torch.int64)
     skipped = torch.zeros(tiles, hq, dtype=torch.int64)
-    threshold = math.log(delta / kv_len) if delta > 0 else -math.inf
+    threshold = math.log(delta) - math.log(kv_len) if delta > 0 else -math.inf   # ln(delta / kv_len)
     for i in range(tiles):
         rows = range(i * BLOCK, min(i * BLOCK + BLOCK, q_len))
         for h in range(hq):

@@ -173,6 +173,9 @@ _SHARED_WORDS = torch.zeros(128 * 4 * 64)  # o's bytes, in which lse starts
     ({"order": torch.zeros(1, 4, 0, dtype=torch.int32)}, ValueError, r"k_max=0 .* a plan with tiles"),
     ({"block_pages": torch.zeros(0, 8, dtype=torch.int32)}, ValueError, r"block_pages 0 key blocks"),
     ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
+    ({"q": torch.zeros(128, 512, dtype=torch.bfloat16)}, ValueError,
+     r"osk_forward: q must be 3-D and k_cache 4-D, got shapes \[128, 512\] and \[8, 16, 2, 128\]"),
+    ({"k_cache": torch.zeros(8, 16, 256, dtype=torch.bfloat16)}, ValueError, r"q must be 3-D and k_cache 4-D"),
     ({"k_cache": torch.zeros(8, 8, 2, 128, dtype=torch.bfloat16)}, ValueError, r"page_size must be .* got 8"),
     ({"o": torch.zeros(128, 4, 128, dtype=torch.float16)}, TypeError, r"o must have dtype torch.bfloat16"),
     ({"q": torch.zeros(128, 128, 4, dtype=torch.bfloat16).transpose(1, 2)}, ValueError, r"q needs a contiguous"),
@@ -254,6 +257,8 @@ def _kap_args(**change):
 
 @pytest.mark.parametrize("change,error,match", [
     ({"q": torch.zeros(128, 4, 96, dtype=torch.bfloat16)}, ValueError, r"no kernel for head_dim=96"),
+    ({"q": torch.zeros(128, 512, dtype=torch.bfloat16)}, ValueError,
+     r"kap_order: q must be 3-D and k_cache 4-D, got shapes \[128, 512\] and \[8, 16, 2, 128\]"),
     ({"kv_block_indptr": torch.tensor([0, kap.MAX_KEY_BLOCKS + 1], dtype=torch.int32)}, ValueError,
      rf"kv_block_indptr has a request of {kap.MAX_KEY_BLOCKS + 1} key blocks, more than the kernels rank "
      rf"\({kap.MAX_KEY_BLOCKS}\)"),

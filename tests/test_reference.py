@@ -51,12 +51,13 @@ def test_full_budget_without_skipping_is_dense(page_size, layout, combined):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("group", [1, 4])
-def test_dense_reference_matches_oracle(causal, group):
+@pytest.mark.parametrize("q_len,kv_len", [(200, 333), (600, 733)])   # 600: dense_attention's 512-row chunks
+def test_dense_reference_matches_oracle(causal, group, q_len, kv_len):
     g = fresh_generator()
-    q = torch.randn(200, 2 * group, 64, generator=g, dtype=torch.float64)
-    k, v = (torch.randn(333, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
+    q = torch.randn(q_len, 2 * group, 64, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(kv_len, 2, 64, generator=g, dtype=torch.float64) for _ in range(2))
     o, lse = dense_attention(q, k, v, causal=causal, sm_scale=0.1)
-    want_o, want_lse = oracle.dense(q, k, v, 200, 333, causal, 0.1)
+    want_o, want_lse = oracle.dense(q, k, v, q_len, kv_len, causal, 0.1)
     torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
 
@@ -148,14 +149,15 @@ def test_first_block_is_never_skipped():
 
 def test_the_smallest_delta_skips_nothing():
     # the threshold ln(delta) - ln(kv_len) is finite although delta / kv_len underflows to 0
-    q = torch.randn(256, 2, 64, dtype=torch.float64)
-    k, v = torch.randn(2, 512, 2, 64, dtype=torch.float64)
-    order = torch.randperm(4, dtype=torch.int32).expand(2, 2, 4).contiguous()
+    g = fresh_generator()
+    q = torch.randn(256, 2, 64, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, 512, 2, 64, generator=g, dtype=torch.float64)
+    order = torch.randperm(4, generator=g, dtype=torch.int32).expand(2, 2, 4).contiguous()
     o, lse, computed, skipped = ordered_skip_attention(q, k, v, order, causal=False, sm_scale=0.125, delta=5e-324)
     assert (computed == 4).all() and (skipped == 0).all()
-    o_dense, lse_dense = dense_attention(q, k, v, causal=False, sm_scale=0.125)
-    torch.testing.assert_close(o, o_dense)
-    torch.testing.assert_close(lse, lse_dense)
+    want_o, want_lse = oracle.dense(q, k, v, 256, 512, False, 0.125)
+    torch.testing.assert_close(o, want_o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
