@@ -9,6 +9,7 @@ its output with the JIT-compiled ones."""
 import contextlib
 import ctypes
 import importlib.util
+import math
 import os
 import random
 import shutil
@@ -258,9 +259,15 @@ def test_run_with_loaded_kernel_equals_jit(gpu_with_wheel_kernels, monkeypatch, 
     for kind in ("aot", "jit"):
         if kind == "jit":
             monkeypatch.setenv(aot.DISABLE_AOT, "1")
+        # poisoned, so that an element neither kernel writes cannot compare equal
+        o, lse = torch.full_like(q, math.nan), torch.full(q.shape[:2], math.nan, device=device)
+        plan.computed.fill_(-7)
+        plan.skipped.fill_(-7)
         with torch.cuda.device(0):
-            o, lse = cosa.run(plan, q, cache, return_lse=True)
+            cosa.run(plan, q, cache, out=o, lse=lse)
         stats = plan.stats()
+        assert not o.isnan().any() and not lse.isnan().any()
+        assert (stats.computed >= 1).all() and (stats.skipped >= 0).all()
         results[kind] = (o, lse, stats.computed, stats.skipped)
         assert {aot.kernel_source(kernel, name, head_dim).kind for kernel in aot.KERNELS} == {kind}
     # the same kernel source and options; only the host ABI differs (plain C against TVM-FFI)
