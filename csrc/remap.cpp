@@ -88,7 +88,7 @@ void check_page_table(const PlanArgs& args, Plan& plan) {
     }
     for (int64_t i = 0; i < used_pages; ++i) {
         const int32_t page = args.kv_indices.data[i];
-        // apart: Python's plan checks page ids before it sees the cache (num_pages = INT32_MAX)
+        // apart: Python's plan checks page ids before it sees the cache (num_pages = 2^31)
         if (page < 0) fail("kv_indices[", i, "]=", page, " is negative; page ids are >= 0");
         if (page >= args.num_pages) {
             fail("kv_indices[", i, "]=", page, " is out of range [0, num_pages=", args.num_pages, ")");

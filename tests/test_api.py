@@ -329,10 +329,12 @@ def test_page_table_content_checks(batch):
 
 
 def test_page_index_beyond_the_cache_is_caught_in_run(batch):
-    args = corrupt(batch, "kv_indices", [batch.kv_indices.tolist()[0] + 1000] + batch.kv_indices.tolist()[1:])
-    plan = cosa.plan(*args, q_data_type=torch.bfloat16)
-    with expect(ValueError, "kv_indices"):
-        cosa.run(plan, batch.q, batch.cache)
+    for page in (batch.kv_indices.tolist()[0] + 1000, 2**31 - 1):   # the plan takes any int32 id
+        args = corrupt(batch, "kv_indices", [page] + batch.kv_indices.tolist()[1:])
+        plan = cosa.plan(*args, q_data_type=torch.bfloat16)
+        with expect(ValueError, rf"paged_kv_cache has {batch.cache.shape[0]} pages, but kv_indices refers to "
+                                rf"page {page}$"):
+            cosa.run(plan, batch.q, batch.cache)
 
 
 def test_a_cache_must_hold_every_page_the_plan_refers_to(batch):

@@ -307,9 +307,10 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     host = {name: x.cpu().numpy() for name, x in (
         ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr), ("kv_indices", kv_indices),
         ("kv_last_page_len", kv_last_page_len))}
-    # Page ids are checked against the cache in run; the plan does not see it.
+    # Page ids are checked against the cache in run; the plan does not see it, so every int32 id
+    # is in range here.
     tables = _C.build_plan(host["qo_indptr"], host["kv_indptr"], host["kv_indices"],
-                           host["kv_last_page_len"], num_pages=2**31 - 1, page_size=page_size,
+                           host["kv_last_page_len"], num_pages=2**31, page_size=page_size,
                            num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            causal=causal, budget=budget,
                            force_local=force_local, force_sink=force_sink)
