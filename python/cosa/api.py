@@ -41,7 +41,8 @@ _plan_tokens = itertools.count(1)
 
 @dataclass(frozen=True)
 class Stats:
-    """Block counts of one ``run``: per (query tile, query head), and summed."""
+    """Block counts of one ``run``: per query tile (candidates, selected) or per (query tile,
+    query head) (computed, skipped), and summed."""
 
     candidates: torch.Tensor  # [num_qtiles] key blocks a tile may see
     selected: torch.Tensor    # [num_qtiles] blocks stage 1 lists (same for every head)

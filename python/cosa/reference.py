@@ -54,7 +54,7 @@ def ordered_skip_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, or
     """SPEC stage 2 for one request.
 
     ``order [tiles, hq, k_max]`` lists each (query tile, head)'s key blocks in
-    visiting order, -1 padded. Every visited block but the first is skipped
+    visiting order, -1 padded. Every listed block but the first is skipped
     when, over the tile's valid rows, the largest ``mloc - m`` (block row max
     minus running max, scaled logits) is below ``ln(delta / kv_len)``; a row
     with no visible key in the block wants to skip. Returns ``(o, lse,

@@ -46,7 +46,7 @@ def vertical_slash_scores(q: torch.Tensor, k: torch.Tensor, qtiles: torch.Tensor
     # on offsets p_r + span - kv_len onwards.
     span = max(q_len, kv_len)
     slash = torch.zeros((num_qo_heads, span + kv_len - 1), dtype=torch.float64, device=device)
-    for row, position in enumerate(range(kv_len - last, kv_len)):
+    for row, position in enumerate(query_pos.tolist()):
         first = position + span - kv_len
         slash[:, first:first + kv_len] += probabilities[:, row].flip(-1)
     # Sum of slash over a key range [a, b) for a row at position p is C[p-a+span] - C[p-b+span]
