@@ -233,3 +233,48 @@ def test_attention_sinks_raise():
     model.set_attn_implementation("cosa")
     with pytest.raises(NotImplementedError, match="attention sinks"):
         model(torch.randint(512, (1, 300)))
+
+
+def _planned(model) -> bool:
+    return any(hasattr(module, "cosa_plan") for module in model.modules())
+
+
+@pytest.mark.parametrize("family", ["falcon_alibi", "t5_encoder"])
+@torch.no_grad()
+def test_a_bias_on_the_logits_runs_dense(family):
+    """Falcon's ALiBi goes onto the causal mask (transformers asks for one: allow_is_causal_skip
+    False), T5's relative-position bias comes as position_bias: both change every logit, so the
+    step runs SDPA, and equals it."""
+    seed = torch.seed() % 2**31
+    print(f"seed={seed}")
+    torch.manual_seed(seed)
+    if family == "falcon_alibi":
+        config = transformers.FalconConfig(vocab_size=512, hidden_size=256, num_attention_heads=4, num_hidden_layers=2,
+                                           alibi=True, new_decoder_architecture=False, multi_query=False,
+                                           attn_implementation="sdpa")
+        model, output = transformers.FalconForCausalLM(config), "logits"
+    else:
+        config = transformers.T5Config(vocab_size=512, d_model=128, d_kv=64, num_heads=2, num_layers=1, d_ff=256,
+                                       attn_implementation="sdpa")
+        model, output = transformers.T5EncoderModel(config), "last_hidden_state"
+    model = model.eval().double()
+    ids = torch.randint(512, (1, 300))
+    dense = getattr(model(ids), output)
+    cosa_hf.register(budget=0.25, delta=0.05)
+    model.set_attn_implementation("cosa")
+    torch.testing.assert_close(getattr(model(ids), output), dense, rtol=1e-9, atol=1e-9)
+    assert not _planned(model), "no layer planned CoSA"
+
+
+@torch.no_grad()
+def test_a_module_called_with_another_scale_plans_again():
+    module = torch.nn.Module()
+    q = torch.randn(1, 4, 200, 64, dtype=torch.float64)
+    k, v = torch.randn(2, 1, 2, 200, 64, dtype=torch.float64)
+    cosa_hf.register(budget=1.0, delta=0.0)
+    for scaling in (0.125, 0.5):
+        o, _ = cosa_hf.cosa_attention_forward(module, q, k, v, None, scaling=scaling)
+        assert module.cosa_plan.sm_scale == scaling
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), is_causal=True, scale=scaling).transpose(1, 2)
+        torch.testing.assert_close(o, expected, rtol=1e-9, atol=1e-9)

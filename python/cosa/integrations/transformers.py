@@ -8,7 +8,7 @@ Prefill steps (more than one query row, no padding, plain causal masking or, for
 module that is not causal, none, a head_dim CoSA has) run :func:`cosa.run` on a paged
 copy of the layer's K/V: on the GPU the OSK kernel, on the CPU the exact reference.
 Everything else (decode steps, padded batches, static caches, sliding windows, other mask
-overlays, other head sizes) runs dense SDPA, with CoSA's bottom-right causal mask where a
+overlays or biases, other head sizes) runs dense SDPA, with CoSA's bottom-right causal mask where a
 chunk follows cached keys. Attention sinks (``s_aux``, as gpt-oss passes them), which
 neither CoSA nor SDPA computes, raise. The latest plan of each layer is kept as ``module.cosa_plan``
 for its statistics.
@@ -57,12 +57,14 @@ def _causal_mask_or_none(**kwargs):
     """No mask where CoSA's own semantics are meant: plain causal attention of the step's
     queries, the last q_length of the kv_length keys, with no padding.  transformers places
     the queries at q_offset, which is that place only where the cache holds exactly the keys
-    seen so far (not a static cache, whose kv_length counts its empty slots).  Otherwise
-    SDPA's mask, always as a tensor (SDPA's own None would mean its top-left is_causal), which
-    sends the step to dense attention."""
+    seen so far (not a static cache, whose kv_length counts its empty slots), and only where
+    the model allows no mask at all (``allow_is_causal_skip``; a model that adds a bias onto the
+    mask, ALiBi say, does not).  Otherwise SDPA's mask, always as a tensor (SDPA's own None would
+    mean its top-left is_causal), which sends the step to dense attention."""
     padding = kwargs.get("attention_mask")
     queries_end_at_the_last_key = int(kwargs.get("q_offset", 0)) + kwargs["q_length"] == kwargs["kv_length"]
     if (kwargs.get("mask_function") is causal_mask_function and kwargs.get("local_size") is None
+            and kwargs.get("allow_is_causal_skip", True)
             and not kwargs.get("kv_offset") and queries_end_at_the_last_key
             and (padding is None or bool(padding.all()))):
         return None
@@ -82,16 +84,18 @@ def cosa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     # as SDPA reads it: the call's is_causal, else the module's (False for encoders)
     causal = kwargs.get("is_causal")
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
+    # a relative-position bias (T5's position_bias) changes every logit: dense, like a mask
     if (q_len == 1 or attention_mask is not None or dropout or kwargs.get("softcap") is not None
-            or head_dim not in SUPPORTED_HEAD_DIMS):
+            or kwargs.get("position_bias") is not None or head_dim not in SUPPORTED_HEAD_DIMS):
         if attention_mask is None and causal and 1 < q_len < kv_len:
             # SDPA's is_causal places the queries top-left (transformers then drops the keys
             # past q_len): CoSA's bottom-right causal mask, spelled out
             attention_mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
-    cache_key = (batch, q_len, kv_len, causal, query.dtype, key.dtype, query.device,
-                 tuple(sorted(_options.items())))
+    # everything the plan below is made of
+    cache_key = (batch, q_len, kv_len, num_qo_heads, num_kv_heads, head_dim, causal, scaling, query.dtype,
+                 key.dtype, query.device, tuple(sorted(_options.items())))
     plan_ = getattr(module, "cosa_plan", None)
     if getattr(module, "_cosa_plan_key", None) != cache_key:
         plan_ = plan(*uniform_page_table(batch, q_len, kv_len, BLOCK, query.device), num_qo_heads,
