@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -50,6 +51,16 @@ def test_rerun_rewrites_only_its_own_block(tmp_path):
     assert all("\n" not in row for row in rows)   # answers are flattened to one line
 
 
+def test_a_block_without_its_end_marker_is_refused_and_the_file_kept(tmp_path):
+    path = tmp_path / "accuracy.md"
+    text = f"# Accuracy\n\n{markers('needle')[0]}\nold table\n\n## Methodology\n\nprose after\n"   # no end
+    path.write_text(text)
+    begin, end = markers("needle")
+    with pytest.raises(ValueError, match=re.escape(f"has {begin} without {end} after it")):
+        write_markdown(path, ["needle"], needle_records(random.Random()), {})
+    assert path.read_text() == text
+
+
 def test_a_study_without_a_block_is_appended(tmp_path):
     path = tmp_path / "accuracy.md"
     path.write_text("# Accuracy\n")
@@ -79,13 +90,18 @@ def test_missing_weights_and_short_text_raise(monkeypatch):
         data.smollm2_gguf()
 
     class Tokenizer:  # one id per character of the text
-        def __call__(self, text, return_tensors):
-            return type("Encoded", (), {"input_ids": torch.zeros(1, len(text), dtype=torch.long)})
+        def __call__(self, text, return_tensors=None):
+            ids = torch.zeros(1, len(text), dtype=torch.long) if return_tensors else [0] * len(text)
+            return type("Encoded", (), {"input_ids": ids})
 
     available = len(data.python_documentation())
     assert data.text_ids(Tokenizer(), available).shape == (1, available)
     with pytest.raises(ValueError, match=f"the documentation holds only {available} tokens, {available + 1} asked"):
         data.text_ids(Tokenizer(), available + 1)
+    with pytest.raises(ValueError, match="num_tokens must be >= 1, got -5"):   # a slice from the end before
+        data.text_ids(Tokenizer(), -5)
+    with pytest.raises(ValueError, match=r"num_tokens must exceed the prompt's \d+ tokens around the text, got 100"):
+        data.passkey_prompt(Tokenizer(), 100, 0.5, 12345)
 
 
 def test_cli_refuses_an_ordering_budget_outside_budgets(capsys):

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from ..checks import check_int
+
 PASSKEY_QUESTION = "What is the pass key? Answer with the number only."
 
 
@@ -42,6 +44,7 @@ def python_documentation() -> str:
 
 def text_ids(tokenizer, num_tokens: int) -> torch.Tensor:
     """``[1, num_tokens]`` token ids of the documentation text."""
+    check_int("num_tokens", num_tokens)
     ids = tokenizer(python_documentation(), return_tensors="pt").input_ids[:, :num_tokens]
     if ids.shape[1] < num_tokens:
         raise ValueError(f"the documentation holds only {ids.shape[1]} tokens, {num_tokens} asked")
@@ -53,6 +56,8 @@ def passkey_prompt(tokenizer, num_tokens: int, depth: float, passkey: int) -> to
     ``depth`` (0 = start, 1 = end, at a paragraph break), then the question."""
     needle = f"\nThe pass key is {passkey}. Remember it. {passkey} is the pass key.\n"
     overhead = len(tokenizer(needle + PASSKEY_QUESTION).input_ids) + 64   # chat markup, answer room
+    if check_int("num_tokens", num_tokens) <= overhead:
+        raise ValueError(f"num_tokens must exceed the prompt's {overhead} tokens around the text, got {num_tokens}")
     haystack = tokenizer.decode(text_ids(tokenizer, num_tokens - overhead)[0])
     cut = haystack.rfind("\n", 0, int(depth * len(haystack)) + 1) + 1
     content = (f"There is a pass key hidden in the text below. Find it.\n\n{haystack[:cut]}{needle}"

@@ -120,6 +120,8 @@ def write_markdown(path, studies, records, config) -> None:
         block = f"{begin}\n{render(study, records, config)}\n{end}"
         if begin in text:
             head, _, rest = text.partition(begin)
+            if end not in rest:   # replacing up to the file's end would take the prose after it
+                raise ValueError(f"{path} has {begin} without {end} after it")
             _, _, tail = rest.partition(end)
             text = f"{head}{block}{tail}"
         else:
