@@ -58,6 +58,19 @@ def test_scatter_pages_keeps_the_rows_after_it():
     assert (cache[[1, 3]] == 7).all()
 
 
+def test_scatter_pages_and_to_pages_refuse_what_does_not_fit():
+    cache = torch.full((4, 16, HEADS, D), 7.0)                        # NHD
+    pages = torch.tensor([2, 0], dtype=torch.int32)
+    for x, match in ((torch.randn(33, HEADS, D), r"x has 33 rows, more than 2 pages of 16 hold"),
+                     (torch.randn(20, HEADS + 1, D), rf"x must be \[n, {HEADS}, {D}\] as the cache's rows"),
+                     (torch.randn(20, HEADS * D), r"x must be 3-D")):
+        with pytest.raises(ValueError, match=match):
+            scatter_pages(cache, "NHD", pages, x)
+    assert (cache == 7).all(), "nothing was written"
+    with pytest.raises(ValueError, match=r"x must be \[\.\.\., n, heads, d\], got shape \(40, 8\)"):
+        to_pages(torch.randn(40, 8), 16)
+
+
 def test_uniform_page_table_describes_to_pages():
     x = torch.randn(3, 40, HEADS, D)
     qo_indptr, kv_indptr, kv_indices, last = uniform_page_table(3, 10, 40, 16, "cpu")

@@ -87,10 +87,17 @@ def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_le
 
 def scatter_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, x: torch.Tensor) -> None:
     """Writes ``x [n, num_kv_heads, head_dim]`` into the first ``n`` rows stored in ``pages`` (in
-    order): the inverse of :func:`gather_pages`. Later rows keep their content; no host sync."""
+    order): the inverse of :func:`gather_pages`. Later rows keep their content; no host sync, so
+    the page ids themselves are the caller's to keep in range (torch's indexing asserts)."""
+    geometry = cache_geometry(cache, kv_layout)
+    check_tensor("x", x, dim=3)
+    if tuple(x.shape[1:]) != (geometry.num_kv_heads, geometry.head_dim):
+        raise ValueError(f"x must be [n, {geometry.num_kv_heads}, {geometry.head_dim}] as the cache's rows, "
+                         f"got {tuple(x.shape)}")
+    if x.shape[0] > pages.shape[0] * geometry.page_size:
+        raise ValueError(f"x has {x.shape[0]} rows, more than {pages.shape[0]} pages of {geometry.page_size} hold")
     token = torch.arange(x.shape[0], device=x.device)
-    page_size = cache_geometry(cache, kv_layout).page_size
-    page, row = pages.long()[token // page_size], token % page_size
+    page, row = pages.long()[token // geometry.page_size], token % geometry.page_size
     if kv_layout == "NHD":
         cache[page, row] = x
     else:
@@ -156,6 +163,8 @@ def to_pages(x: torch.Tensor, page_size: int) -> torch.Tensor:
     """Contiguous ``x [..., n, heads, d]`` (each leading index one request) as a zero-padded NHD
     page cache ``[requests * ceil(n / page_size), page_size, heads, d]``, pages in request order."""
     page_size = check_int("page_size", page_size)
+    if check_tensor("x", x).dim() < 3:
+        raise ValueError(f"x must be [..., n, heads, d], got shape {tuple(x.shape)}")
     n, heads, d = x.shape[-3:]
     requests = x.reshape(math.prod(x.shape[:-3]), n, heads, d)   # explicit sizes: x may be empty
     pages_per_request = -(-n // page_size)
