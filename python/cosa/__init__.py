@@ -4,7 +4,8 @@
                       num_qo_heads, num_kv_heads, head_dim, page_size)
     o = cosa.run(plan_, q, paged_kv_cache)
 
-See ``SPEC.md`` for what is computed and ``docs/design.md`` for where.
+See the project's ``SPEC.md`` (beside a developer checkout, not shipped) for what is computed
+and ``docs/design.md`` for where.
 """
 
 from importlib.metadata import PackageNotFoundError, version
