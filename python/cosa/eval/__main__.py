@@ -2,8 +2,10 @@
 
 Each study rewrites its own block of tables in the markdown and replaces its
 own records (per layer and head, not tracked by git) in the records file,
-keeping the other studies'. Runs on the GPU when there is one (bf16, the OSK
-kernel), else on the CPU (float32, the exact reference).
+keeping the other studies'. The captured-attention study computes on float32
+copies of the model's q, k, v with the exact reference; the needle and
+long-context studies run CoSA itself, on the GPU when there is one (bf16, the
+OSK kernel), else on the CPU (float32, the exact reference).
 """
 
 from __future__ import annotations

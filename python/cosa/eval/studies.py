@@ -109,7 +109,7 @@ def captured_attention_study(layers, budgets, deltas, *, proxies=tuple(PROXIES),
             counts = cumulative_threshold_counts(probabilities, gamma)
             chosen = top_k_mask(probabilities, counts)
             records.append({"study": "flexprefill_threshold", **base, "gamma": gamma, **_per_head(
-                density=counts.double().sum(0) / plan_.qtiles[:, _C.QT_NUM_CANDIDATES].double().sum(),
+                density=counts.double().sum(0) / candidates.sum(),
                 iou=iou(chosen, top_k_mask(mass, counts)), recall_stage1=mass_recall(mass, chosen))})
         progress(f"layer {layer} done")
     return records
