@@ -7,6 +7,8 @@ import torch
 
 from cosa.synthetic import structured_qkv
 
+from batch import fresh_generator
+
 
 @pytest.mark.parametrize("seq_len,q_len", [(300, None), (300, 100), (300, 0), (0, None), (1, 1)])
 def test_shapes_and_the_last_positions(seq_len, q_len):
@@ -35,3 +37,17 @@ def test_shapes_and_the_last_positions(seq_len, q_len):
 def test_bad_arguments_are_named(args, kwargs, error, message):
     with pytest.raises(error, match=message):
         structured_qkv(*args, **kwargs)
+
+
+@pytest.mark.parametrize("component", ["local", "sink", "topic"])
+def test_each_strength_is_its_logit_gain_in_nats(component):
+    # one component alone, no noise: the local one on the diagonal (q and k at the same position),
+    # the sink at key 0, a topic (one for all segments) at every key
+    strengths = {"local_strength": 0.0, "sink_strength": 0.0, "topic_strength": 0.0, f"{component}_strength": 7.0}
+    q, k, _ = structured_qkv(700, 4, 2, 64, noise=0.0, num_topics=1, segment_len=128, generator=fresh_generator(),
+                             dtype=torch.float64, **strengths)
+    logits = torch.einsum("qhd,khd->hqk", q, k.repeat_interleave(2, dim=1)) / 64 ** 0.5
+    gains = {"local": logits.diagonal(dim1=1, dim2=2), "sink": logits[..., 0], "topic": logits}[component]
+    torch.testing.assert_close(gains, torch.full_like(gains, 7.0))
+    if component == "sink":
+        assert (logits[..., 1:] == 0).all()
