@@ -13,7 +13,9 @@ from cosa.eval.studies import captured_attention_study, reorder_scored_blocks
 from cosa.paged import uniform_page_table
 from cosa.proxy import PROXIES, proxy_order
 from cosa.proxy.oracle import attention_block_mass
+from cosa.synthetic import structured_qkv
 
+import oracle
 from batch import fresh_generator
 
 
@@ -113,3 +115,24 @@ def test_oracle_proxy_recalls_the_most_mass_any_proxy_can():
         assert recall["oracle"][h] == pytest.approx(best / n, abs=2e-6)
         for name in PROXIES:
             assert recall[name][h] <= recall["oracle"][h] + 2e-6
+
+
+def test_a_fidelity_record_is_the_oracle_s_stage_2_over_kap_s_order():
+    n, budget, delta, sm_scale = 700, 1.0, 0.05, 64 ** -0.5
+    # a sink 30 nats strong: each head skipped 1-10 of its 42 blocks in 200 seeds, and computed some unforced
+    q, k, v = structured_qkv(n, 2, 1, 64, sink_strength=30.0, generator=fresh_generator(), dtype=torch.float64)
+    records = captured_attention_study([(0, (q, k, v))], [budget], [delta], proxies=("kap",), ordering_budgets=(),
+                                       gammas=(), progress=lambda _: None)
+    (record,) = [r for r in records if r["study"] == "fidelity"]
+    order = oracle.order_mask(q, k, n, n, True, budget, True, True)
+    o, _, computed, skipped = oracle.ordered_skip(q, k, v, order, n, n, True, sm_scale, delta)
+    dense, _ = oracle.dense(q, k, v, n, n, True, sm_scale)
+    schedule = oracle.tile_schedule(n, n, True, budget, True, True)
+    candidates = sum(c for c, _, _ in schedule)
+    for h in range(2):
+        assert record["error"][h] == pytest.approx(float((o[:, h] - dense[:, h]).norm() / dense[:, h].norm()), abs=2e-6)
+        assert record["density_stage1"][h] == pytest.approx(sum(s for _, _, s in schedule) / candidates, abs=2e-6)
+        assert record["density_stage2"][h] == pytest.approx(float(computed[:, h].sum()) / candidates, abs=2e-6)
+        assert record["skip_rate"][h] == pytest.approx(
+            float(skipped[:, h].sum() / (computed[:, h] + skipped[:, h]).sum()), abs=2e-6)
+    assert min(record["skip_rate"]) > 0, "the inputs are built so that stage 2 skips some blocks"
