@@ -171,7 +171,8 @@ def test_cumulative_threshold_counts():
     assert cumulative_threshold_counts(probabilities, 0.81).tolist() == [3, 4]
     assert cumulative_threshold_counts(probabilities, 0.5).tolist() == [1, 2]
     # a sum that rounding keeps below gamma counts every block, not one more
-    assert cumulative_threshold_counts(torch.tensor([[0.5, 0.25, 0.25 - 1e-9]], dtype=torch.float64), 1.0).tolist() == [3]
+    short_of_one = torch.tensor([[0.5, 0.25, 0.25 - 1e-9]], dtype=torch.float64)
+    assert cumulative_threshold_counts(short_of_one, 1.0).tolist() == [3]
     for gamma in (0.0, 1.5, math.nan):
         with pytest.raises(ValueError, match="gamma must be"):
             cumulative_threshold_counts(probabilities, gamma)
