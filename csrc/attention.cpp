@@ -113,6 +113,21 @@ void check_operand(const void* data, const int64_t* strides, int rank, const cha
                     std::to_string(i) + "]=" + std::to_string(strides[i]));
 }
 
+// The OSK kernel's TMA addresses a cache's pages and kv heads together in 16-byte units, by an
+// int32 coordinate: the last of them must start within MAX_BOX_UNITS of the first (32 GiB;
+// cute_kernels/osk.py, _check_box_reach, the same rule for Python's run).  `strides` in elements
+// of 2 bytes, multiples of 8 (check_operand).
+void check_box_reach(const int64_t* strides, int64_t pages, int64_t heads, const char* name) {
+    constexpr int64_t kMaxBoxUnits = std::numeric_limits<int32_t>::max() - 1;
+    const int64_t page_units = strides[0] / 8, head_units = strides[2] / 8;
+    const bool far = (pages > 1 && page_units > kMaxBoxUnits / (pages - 1)) ||
+                     (heads > 1 && head_units > kMaxBoxUnits / (heads - 1)) ||
+                     (pages - 1) * page_units + (heads - 1) * head_units > kMaxBoxUnits;
+    if (far)
+        invalid(std::string(name) + "'s last page and kv head start more than " + std::to_string(kMaxBoxUnits) +
+                " 16-byte units past its first, beyond what the kernel's TMA addresses (32 GiB)");
+}
+
 // o [tokens, heads, head_dim] is written by many CTAs at once: no two of its elements may share
 // an address.  Taken by increasing stride, each dim must step past everything the dims below
 // it span (head_dim contiguous elements first).
@@ -191,6 +206,8 @@ void check_run_operands(const cosa_plan& plan, const cosa_run_args& args) {
     check_operand(args.o, args.o_strides, 2, "o");
     const int64_t total_q = plan.total_q, hq = p.num_qo_heads, d = plan.head_dim, nq = p.num_qtiles(),
                   k_max = p.k_max, page = plan.page_size, hkv = plan.num_kv_heads, pages = plan.num_pages;
+    check_box_reach(args.k_strides, pages, hkv, "k_cache");
+    check_box_reach(args.v_strides, pages, hkv, "v_cache");
     check_disjoint(args.o_strides, total_q, hq, d, "o");
     // the optional arrays' 4-byte elements, as the kernels were compiled for them
     for (const auto& [data, name] : {std::pair<const void*, const char*>{args.order, "order"},

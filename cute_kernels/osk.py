@@ -55,7 +55,10 @@ query head):
   ring of 128B-swizzled smem buffers completed by transaction-count mbarriers
   (``PipelineTmaAsync``): one 128-row box when a page holds whole blocks (page size >=
   128: a slice of one page), else 128/16 boxes of 16 rows (several pages per block;
-  every page size is a multiple of 16, so a box never crosses a page).  The order entry
+  every page size is a multiple of 16, so a box never crosses a page).  A swizzled box
+  is at most 128 bytes wide, so the buffers keep each 8-row group's 64-column chunks side
+  by side (both wgmma operand layouts allow it): a box of whole 8-row groups is then one
+  TMA instruction (``_cache_box_view``), not one per chunk.  The order entry
   and the block's page indices are read before the ring slot is acquired, so that their
   latency hides under that wait.  Warp 2 loads V_j the same way (into a 3-stage ring:
   the turns below free V_{j-1} one block late), but once the consumers vote in lockstep
@@ -175,6 +178,9 @@ BAR_SCHED = 4  # 4, 5: consumer warp group 0's / 1's turn on the tensor cores
 BAR_VOTE = 8  # 8 to 8 + VOTE_SLOTS - 1: the stage-2 vote on block it, by it % VOTE_SLOTS
 BAR_DECIDED = 12  # 12 to 12 + VOTE_SLOTS - 1: group 1 has the decision on block it (stage-2 turns)
 BOX = 16  # TMA box rows when a block spans pages: the smallest supported page size
+# The furthest 16-byte unit of a cache at which a page or kv head may start: the TMA's
+# coordinate there is an int32, and the mode's extent (one more) one too (_cache_box_view)
+MAX_BOX_UNITS = 2**31 - 2
 BLOCK_SHIFT = TILE_N.bit_length() - 1  # log2(TILE_N): pages of at least 2^BLOCK_SHIFT rows hold whole blocks
 K_STAGES = 2  # K blocks in flight (smem ring)
 V_STAGES = 3  # the turns free V(j-1) only after QK(j+1): one stage more than K
@@ -237,6 +243,8 @@ class PagedSource:
     m_box: cute.Tensor
     smem: cute.Tensor
     page_shift: Int32
+    page_units: Int32  # a page's and a kv head's offsets in the views' last mode (16-byte units)
+    head_units: Int32
 
     @property
     def page_mask(self):
@@ -333,6 +341,22 @@ def _row_offset(mX, row, head):
     return Int64(row) * mX.stride[0] + Int64(head) * mX.stride[1]
 
 
+def _cache_box_view(mX, chunk: int):
+    """A (page, page row, kv head, d) cache as its TMA boxes read it, and a page's and a kv
+    head's offsets in the view's last mode: (column in a chunk, row in an 8-row group, chunk,
+    8-row group, 16-byte unit), in which a box of 8-row groups (``_box_modes``) lands each
+    group's chunks side by side.  Those are four of the TMA's five modes, so the page and the
+    kv head share the last, as whole 16-byte units (every stride is), which caps how far into
+    the cache they start (``MAX_BOX_UNITS``, checked by ``Launcher``)."""
+    unit = 128 // mX.element_type.width
+    pages, page_rows, heads, d = mX.shape
+    page_stride, row_stride, head_stride, _ = mX.stride
+    units = ((pages - 1) * page_stride + (heads - 1) * head_stride) // unit + 1
+    layout = cute.make_layout((chunk, 8, d // chunk, page_rows // 8, Int32(units)),
+                              stride=(1, row_stride, chunk, 8 * row_stride, unit))
+    return cute.make_tensor(mX.iterator, layout), Int32(page_stride // unit), Int32(head_stride // unit)
+
+
 def _frgA_layout(acc_layout):
     """SM90 accumulator ((2,2,N/8),M,N') -> A-operand fragment ((2,2,2),M,(N/16,N'))."""
     lay = cute.logical_divide(acc_layout, ((None, None, 2), None, None))
@@ -351,6 +375,7 @@ class OSKForward:
     def __init__(self, dtype, head_dim: int, k_stages: int = K_STAGES, v_stages: int = V_STAGES):
         self.dtype = dtype
         self.head_dim = head_dim
+        self.chunk = 1024 // dtype.width  # columns in 128 bytes, the swizzle atom's width
         assert k_stages < VOTE_SLOTS, "a vote slot would be reused while a warp still reads it"
         self.k_stages = k_stages
         self.v_stages = v_stages
@@ -386,8 +411,10 @@ class OSKForward:
             sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dtype, D), dtype
         )
         sQ_layout = cute.tile_to_shape(atom, (TILE_M, D), (0, 1))
-        sK_layout = cute.tile_to_shape(atom, (TILE_N, D, self.k_stages), (0, 1, 2))
-        sV_layout = cute.tile_to_shape(atom, (TILE_N, D, self.v_stages), (0, 1, 2))
+        # K and V: the atoms (8 rows x one chunk) tiled along d first, so that a box of 8-row
+        # groups is contiguous in smem, all its chunks included (``_box_modes``)
+        sK_layout = cute.tile_to_shape(atom, (TILE_N, D, self.k_stages), (1, 0, 2))
+        sV_layout = cute.tile_to_shape(atom, (TILE_N, D, self.v_stages), (1, 0, 2))
 
         @cute.struct
         class SharedStorage:
@@ -427,26 +454,28 @@ class OSKForward:
             atom_layout_mnk=(TILE_M // 64, 1, 1), tiler_mn=(64, D),
             a_source=warpgroup.OperandSource.RMEM,
         )
-        # (page row, d, kv head, page) views of the cache.  Two TMA boxes per tensor: the
-        # whole block (TILE_N rows x D of one page) when a page holds whole blocks, else
-        # BOX rows (BOX = 16 divides every page size), TILE_N / BOX boxes per block.
+        # Two TMA boxes per cache: the whole block (TILE_N rows x D of one page) when a page
+        # holds whole blocks, else BOX rows (BOX = 16 divides every page size), TILE_N / BOX
+        # boxes per block.
         stage_layout = cute.select(sK_layout, mode=[0, 1])
         op = cpasync.CopyBulkTensorTileG2SOp()
         # Q: one TILE_M-row box of (row, d, head); rows past a request's end are read too (they
         # belong to the next request, or are zero past total_q) and never reach an output
         tma_atom_Q, mQ_rows = cpasync.make_tiled_tma_atom(
             op, cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[0, 2, 1])), sQ_layout, (TILE_M, D))
-        tma = []
+        tma, units = [], []
         for mX in (mK, mV):
-            view = cute.make_tensor(mX.iterator, cute.select(mX.layout, mode=[1, 3, 2, 0]))
+            view, page_units, head_units = _cache_box_view(mX, self.chunk)
+            units.extend((page_units, head_units))
             for rows in (TILE_N, BOX):
+                box = self._box_modes(rows)
                 tma.extend(cpasync.make_tiled_tma_atom(
-                    op, view, cute.composition(stage_layout, (rows, D)), (rows, D)))
+                    op, view, cute.composition(cute.composition(stage_layout, (rows, D)), box), box.shape))
         tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, tma_atom_V_block, mV_block, tma_atom_V_box, mV_box = tma
         self.kernel(
             mQ_rows, mK_block, mK_box, mV_block, mV_box, mO, mLSE, mBlockPages, mKvBlockIndptr, mQoLens,
             mKvLens, mQtiles, mTileOrder, mOrder, mComputed, mSkipped,
-            sm_scale, sm_scale * LOG2_E, log_delta, page_shift, group, causal,
+            sm_scale, sm_scale * LOG2_E, log_delta, page_shift, *units, group, causal,
             sQ_layout, sK_layout, sV_layout, tiled_copy_o, tiled_mma_qk, tiled_mma_qk_half,
             tiled_mma_pv,
             tma_atom_Q, tma_atom_K_block, tma_atom_K_box, tma_atom_V_block, tma_atom_V_box, SharedStorage,
@@ -507,11 +536,11 @@ class OSKForward:
 
     @cute.jit
     def _box_views(self, src: PagedSource, kv_head):
-        """The source's tiles for one kv head: (TILE_N, D) of (block in page, page) and (BOX, D)
-        of (box in page, page)."""
-        g_block = cute.local_tile(src.m_block[None, None, kv_head, None], (TILE_N, self.head_dim), (None, 0, None))
-        g_box = cute.local_tile(src.m_box[None, None, kv_head, None], (BOX, self.head_dim), (None, 0, None))
-        return g_block, g_box
+        """The source's boxes, (box modes, box in page, 16-byte unit): TILE_N rows and BOX rows;
+        and the kv head's offset in the units."""
+        g_block = cute.local_tile(src.m_block, self._box_modes(TILE_N).shape, (0, 0, 0, None, None))
+        g_box = cute.local_tile(src.m_box, self._box_modes(BOX).shape, (0, 0, 0, None, None))
+        return g_block, g_box, kv_head * src.head_units
 
     @cute.jit
     def _loader_views(self, src: PagedSource, kv_head):
@@ -520,18 +549,30 @@ class OSKForward:
         cpasync.prefetch_descriptor(src.tma_box)
         return self._box_views(src, kv_head)
 
+    def _box_modes(self, rows: int):
+        """A TMA box of ``rows`` rows in ``_cache_box_view``'s modes (column in a chunk, row in an
+        8-row group, chunk, 8-row group, 1), onto its (rows, D) tile's index."""
+        c = self.chunk
+        return cute.make_layout((c, 8, self.head_dim // c, rows // 8, 1), stride=(rows, 1, c * rows, 8, 0))
+
+    def _staged_box(self, s_tile, rows: int):
+        """A (rows, D, stage) smem tile in ``_box_modes``: ((box modes), stage)."""
+        return cute.composition(cute.group_modes(s_tile, 0, 2),
+                                (self._box_modes(rows), cute.make_layout(s_tile.shape[2])))
+
     @cute.jit
     def _tma_block(self, src: PagedSource, views, pages, jstart: Int32, stage, mbar, prefetch: cutlass.Constexpr):
         """The TMA of one logical key block (``views`` from ``_box_views``, pages from
         ``_block_pages``): one TILE_N-row box when a page holds whole blocks, else TILE_N / BOX
         boxes of BOX rows; into ring stage ``stage``, completing on ``mbar``, or with
         ``prefetch`` into L2 only."""
-        g_block, g_box = views
+        g_block, g_box, head_units = views
         tma_block, tma_box, sX, page_mask = src.tma_block, src.tma_box, src.smem, src.page_mask
         if src.page_shift >= BLOCK_SHIFT:
             tS, tG = cpasync.tma_partition(
-                tma_block, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(g_block, 0, 2))
-            tile = tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0]]
+                tma_block, 0, cute.make_layout(1), self._staged_box(sX, TILE_N),
+                cute.group_modes(g_block, 0, 5))
+            tile = tG[None, (jstart & page_mask) >> BLOCK_SHIFT, pages[0] * src.page_units + head_units]
             if const_expr(prefetch):
                 cute.prefetch(tma_block, tile)
             else:
@@ -541,8 +582,9 @@ class OSKForward:
                 g = jstart + i * BOX
                 s_box = cute.local_tile(sX, (BOX, self.head_dim), (i, 0, None))
                 tS, tG = cpasync.tma_partition(
-                    tma_box, 0, cute.make_layout(1), cute.group_modes(s_box, 0, 2), cute.group_modes(g_box, 0, 2))
-                tile = tG[None, (g & page_mask) // BOX, pages[i]]
+                    tma_box, 0, cute.make_layout(1), self._staged_box(s_box, BOX),
+                    cute.group_modes(g_box, 0, 5))
+                tile = tG[None, (g & page_mask) // BOX, pages[i] * src.page_units + head_units]
                 if const_expr(prefetch):
                     cute.prefetch(tma_box, tile)
                 else:
@@ -1110,6 +1152,10 @@ class OSKForward:
         scale_log2: Float32,
         log_delta: Float32,
         page_shift: Int32,
+        k_page_units: Int32,
+        k_head_units: Int32,
+        v_page_units: Int32,
+        v_head_units: Int32,
         group: Int32,
         causal: Int32,
         sQ_layout: cute.ComposedLayout,
@@ -1185,8 +1231,10 @@ class OSKForward:
         if warp_idx < 4:
             # ================================================= producer warp group
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift)
-            v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift)
+            k_src = PagedSource(tma_atom_K_block, mK_block, tma_atom_K_box, mK_box, sK, page_shift, k_page_units,
+                                k_head_units)
+            v_src = PagedSource(tma_atom_V_block, mV_block, tma_atom_V_box, mV_box, sV, page_shift, v_page_units,
+                                v_head_units)
             q_src = QSource(tma_atom_Q, mQ_rows, sQ)
             if warp_idx == K_PRODUCER_WARP:
                 # Q, then K of every block in the tile's order
@@ -1580,6 +1628,16 @@ def _check_vector_rows(who: str, name: str, t) -> None:
                          f"{t.data_ptr() % 16} bytes past 16")
 
 
+def _check_box_reach(who: str, name: str, view) -> None:
+    """The last page and kv head of an NHD ``view`` start within ``MAX_BOX_UNITS`` 16-byte
+    units of its first (32 GiB): where the kernel's TMA can address them."""
+    pages, _, heads, _ = view.shape
+    reach = ((pages - 1) * view.stride(0) + (heads - 1) * view.stride(2)) * view.element_size() // 16
+    if reach > MAX_BOX_UNITS:
+        raise ValueError(f"{who}: {name}'s last page and kv head start {reach} 16-byte units past its first, "
+                         f"more than the kernel's TMA addresses ({MAX_BOX_UNITS}, 32 GiB)")
+
+
 def _check_shapes(who: str, expected: dict) -> None:
     """``expected``: {name: (tensor, dtype, shape)}, None in a shape for any extent.  The kernels
     index every tensor by the plan's extents, unchecked on the device: a tensor of another dtype
@@ -1647,6 +1705,8 @@ class Launcher:
 
         operands = self.operands
         kv_k, kv_v = operands.views(_WHO, q, {"k_cache": k_cache, "v_cache": v_cache}, {"o": o})
+        _check_box_reach(_WHO, "k_cache", kv_k)
+        _check_box_reach(_WHO, "v_cache", kv_v)
         _check_shapes(_WHO, {"o": (o, q.dtype, tuple(q.shape)),
                              "lse": (lse, torch.float32, (q.shape[0], operands.num_qo_heads))})
         check_apart({"o": o, "lse": lse}, {"q": q, "k_cache": k_cache, "v_cache": v_cache}, who=_WHO,

@@ -496,6 +496,9 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
             "q must be 16-byte aligned": {"q": q.data_ptr() + 2},
             "k_cache strides must be positive multiples of 8, got stride[1]=4":
                 {"k_strides": (cache.stride(0), 4, 128)},
+            # the last page 2^32 elements (2^29 16-byte units) past the first: beyond the TMA's int32
+            "v_cache's last page and kv head start more than 2147483646 16-byte units past its first":
+                {"v_strides": (1 << 32, 256, 128)},
             "o must not be NULL": {"o": None},
             f"o strides {{512, 8}} make its [{tokens}, 4, 128] elements overlap": {"o_strides": (512, 8)},
             "lse must be 4-byte aligned": {"lse": lse.data_ptr() + 2},

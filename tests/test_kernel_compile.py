@@ -308,6 +308,30 @@ def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkey
     assert calls == [("kap_pool", "bfloat16", 128), ("kap_rank", "bfloat16", 128), 5, 6]
 
 
+def test_osk_forward_refuses_a_cache_past_its_tma_coordinates(monkeypatch):
+    # The TMA addresses a cache's pages and kv heads by one int32 coordinate in 16-byte units:
+    # its last page and kv head may start at most MAX_BOX_UNITS in.  Meta tensors have the
+    # strides without the memory.
+    launches = []
+    monkeypatch.setattr(aot, "load_kernel", lambda *config: (object(), aot.KernelSource("aot", "a stand-in")))
+    monkeypatch.setattr(osk, "_launch", lambda *args: launches.append(args))
+    page_units = 1 << 28   # 8 pages and 2 kv heads: the last start 7 * page_units + head_units in
+
+    def cache(head_units):
+        return torch.empty(0, dtype=torch.bfloat16, device="meta").as_strided(
+            (8, 16, 2, 128), (8 * page_units, 256, 8 * head_units, 1))
+
+    furthest = osk.MAX_BOX_UNITS - 7 * page_units
+    for name in ("k_cache", "v_cache"):
+        osk.osk_forward(**_forward_args(**{name: cache(furthest)}), sm_scale=1.0, log_delta=-math.inf)
+        assert len(launches) == 1
+        launches.clear()
+        with pytest.raises(ValueError, match=rf"osk_forward: {name}'s last page and kv head start {2**31 - 1} "
+                                             rf"16-byte units past its first, more than the kernel's TMA addresses"):
+            osk.osk_forward(**_forward_args(**{name: cache(furthest + 1)}), sm_scale=1.0, log_delta=-math.inf)
+        assert not launches
+
+
 def _osk_launcher(args: dict) -> osk.Launcher:
     """``_forward_args``' tables and counters bound, as ``cosa.plan`` binds a plan's."""
     return osk.Launcher(*(args[name] for name in ("block_pages", "kv_block_indptr", "qo_lens", "kv_lens", "qtiles",
