@@ -11,13 +11,13 @@ kernels, whose exported OSK would otherwise stand in for both.
 
 Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
 stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
-delta 0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel
-swapped for the version's ``osk_forward`` on the plan's tables (``bound``: every version takes
-them so; each call re-checks the plan, the same host work for both, which the default lengths
-hide under the GPU's), so a row's time includes the proxy, as in
-``bench_attention.py``, and the skip-cost fit is the one that benchmark's target uses, each
-version's with its own block counts (the table shows the new version's). Where calibration cannot
-reach b2 on the input, that row is left out.
+delta 0.05), and budget 0.1 at delta 0 (the other block-sparse target's mask). Each row is one
+plan. A version runs it as ``cosa.run`` with the plan's kernel swapped for the version's
+``osk_forward`` on the plan's tables (``bound``: every version takes them so; each call
+re-checks the plan, the same host work for both, which the default lengths hide under the
+GPU's), so a row's time includes the proxy, as in ``bench_attention.py``, and the skip-cost fit
+is the one that benchmark's target uses, each version's with its own block counts (the table
+shows the new version's). Where calibration cannot reach b2 on the input, that row is left out.
 
 Checks. Each version's first call writes into outputs poisoned with NaN (o, lse) and -1 (the
 counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritten`` (poison left).
@@ -52,14 +52,15 @@ import cosa
 from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (B2, B2_BUDGET, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
+from bench_attention import (B2, B2_BUDGET, BUDGETS, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
                              DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, replayed,
                              skip_cost_ratio, time_samples)
 from sass_report import load_variant  # noqa: E402
 
 VERSIONS = ("base", "new")
 COSA_D0, COSA_D05 = cosa_name(B2_BUDGET, 0.0), cosa_name(B2_BUDGET, 0.05)
-ROWS = (COSA_DENSE, COSA_D0, COSA_FORCED, COSA_SKIP_ALL, COSA_B2, COSA_D05)  # of bench_attention.py's
+COSA_SPARSER_D0 = cosa_name(min(BUDGETS), 0.0)
+ROWS = (COSA_DENSE, COSA_D0, COSA_FORCED, COSA_SKIP_ALL, COSA_B2, COSA_D05, COSA_SPARSER_D0)  # of bench_attention.py's
 
 
 def compare(base: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> str:

@@ -121,6 +121,8 @@ def test_its_rows_are_bench_attentions_with_their_settings():
     settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))
     assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
     assert {COSA_D0, COSA_FORCED, COSA_SKIP_ALL} <= set(bench_osk_ab.ROWS)   # the skip-cost fit's three
+    # and both masks the block-sparse target compares at delta 0
+    assert {bench_osk_ab.cosa_name(budget, 0.0) for budget in bench_osk_ab.BUDGETS} <= set(bench_osk_ab.ROWS)
 
 
 def test_a_version_runs_on_the_plan_s_tables(monkeypatch):
