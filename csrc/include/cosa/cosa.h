@@ -251,9 +251,10 @@ COSA_API const cosa_remap_plan* cosa_plan_remap(const cosa_plan* plan);
  * one combined [num_pages, 2, ...] cache are fine. Every stride is a multiple
  * of 8 and every q, k, v, o pointer 16-byte aligned (order, lse, computed and
  * skipped 4-byte aligned); no two elements of o may share an address. A
- * cache's last page and head start at most 32 GiB past its first element
- * ((num_pages - 1) * page stride + (H - 1) * head stride < 2^31 - 1
- * 16-byte units: the TMA's int32 coordinate). What
+ * cache's last page and head start at most 32 GiB past its first element:
+ * (num_pages - 1) * page stride + (H - 1) * head stride, in elements, at
+ * most 8 * (2^31 - 2), since the TMA's int32 coordinate counts 16-byte
+ * units. What
  * cosa_run writes (o, lse, computed, skipped, the plan's scratch) may not
  * overlap any of it or what it reads (q, k_cache, v_cache, order), as address
  * ranges. With a plan without query rows every pointer may be NULL.
