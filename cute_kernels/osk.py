@@ -85,8 +85,7 @@ query head):
   otherwise the warp redoes the block exactly (max, rescale).
   With delta = 0 (no vote, no skip) the groups take turns to the end.  With stage 2 they
   take turns while neither knows of a skip, which covers most of the blocks a tile
-  computes (where a block spans pages, only the first block: there the turns cost stage
-  2 more than they saved, bench/NOTES.md session 32): group 1, half a turn behind, has
+  computes: group 1, half a turn behind, has
   group 0's vote on a block when it takes its own, so it knows the decision before its
   softmax; group 0 takes its softmax first, keeps the block's row sums aside, and reads
   the decision in its next turn, before PV.
@@ -1223,11 +1222,6 @@ class OSKForward:
         # Launched as a programmatic dependent: so far only the plan was read; the kernel before
         # (in cosa.run the proxy, which writes the order) may still be running
         cute.arch.griddepcontrol_wait()
-        # Stage 2 takes turns only where pages hold whole blocks: where a block spans pages the
-        # turns cost it more than they save (bench/NOTES.md, session 32), and a tile votes from
-        # block 1 on (the V warp and the consumers both read this)
-        stage2_turns = page_shift >= BLOCK_SHIFT
-
         if warp_idx < 4:
             # ================================================= producer warp group
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -1257,14 +1251,11 @@ class OSKForward:
                 # PV each of those blocks they compute in the next turn, so V of every block
                 # before E is loaded; from E on a block's V is loaded only once the vote has
                 # decided to compute it.  Until E is known, the decision on block it - 2 is read
-                # when V(it) is due: known by then in the turns, so the read does not wait.  Without
-                # stage-2 turns, E = 1
+                # when V(it) is due: known by then in the turns, so the read does not wait.
                 v_views = self._loader_views(v_src, kv_head)
                 v_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.v_stages)
                 j_next = self._listed_block(plan.mOrder, qt, head, Int32(0), num_sel)
                 first_vote = Int32(NOT_YET)  # E
-                if not stage2_turns:
-                    first_vote = Int32(1)
                 n_read = Int32(1)  # the block whose decision is read next
                 for it in cutlass.range(num_sel, unroll=1):
                     j = j_next
@@ -1377,8 +1368,8 @@ class OSKForward:
                         row_max[r] = row_ref[r]  # the skip rule's running max: the first block's
                     computes_prev = cutlass.Boolean(True)  # the decision on the block taken last
                     computed = Int32(1)
-                    # a skip among the blocks up to it - 2 is known to both groups (or no stage-2 turns)
-                    turns_over = Int32(not stage2_turns)
+                    # a skip among the blocks up to it - 2 is known to both groups
+                    turns_over = Int32(0)
                     jstart_prev = jstart
                     it = Int32(1)
                     while it < num_sel and turns_over == 0:  # odd blocks' P in rP_alt

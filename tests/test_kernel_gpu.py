@@ -282,11 +282,10 @@ def test_negative_logits(dtype, head_dim, page_size, layout, delta):
     (torch.bfloat16, 128, 128, "NHD"), (torch.float16, 64, 256, "HND"), (torch.bfloat16, 64, 16, "NHD"),
 ])
 def test_blocks_computed_after_a_skip(dtype, head_dim, page_size, layout):
-    # Where pages hold whole blocks the kernel takes a tile's blocks in turns until both of its
-    # warp groups know of a skip, then in lockstep (the vote loop), from the first odd position
-    # two or three past the first skip; where a block spans pages, from block 1.  So the batch
-    # must have first skips at odd and even positions, and blocks computed three or more
-    # positions after them.
+    # The kernel takes a tile's blocks in turns until both of its warp groups know of a skip,
+    # then in lockstep (the vote loop), from the first odd position two or three past the first
+    # skip.  So the batch must have first skips at odd and even positions, and blocks computed
+    # three or more positions after them.
     # About one draw in 30 puts every first skip at one parity, so up to five draws are taken;
     # each is checked against the reference all the same.
     for _ in range(5):
