@@ -85,10 +85,9 @@ query head):
   otherwise the warp redoes the block exactly (max, rescale).
   With delta = 0 (no vote, no skip) the groups take turns to the end.  With stage 2 they
   take turns while neither knows of a skip, which covers most of the blocks a tile
-  computes: group 1, half a turn behind, has
-  group 0's vote on a block when it takes its own, so it knows the decision before its
-  softmax; group 0 takes its softmax first, keeps the block's row sums aside, and reads
-  the decision in its next turn, before PV.
+  computes: group 1, half a turn behind, has group 0's vote on a block when it takes its
+  own, so it knows the decision before its softmax; group 0 takes its softmax first, keeps
+  the block's row sums aside, and reads the decision in its next turn, before PV.
   Once both know of a skip, at the top of a pair of blocks, the next block's QK goes in
   the last turn and the groups vote in lockstep from there (the vote loop), where skip
   streaks are: the vote holds the groups together on skipped blocks anyway.  The vote
