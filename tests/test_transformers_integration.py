@@ -109,8 +109,8 @@ def test_a_chunk_after_a_cached_prefix_equals_sdpa(head_dim):
     for implementation in ("sdpa", "cosa"):
         model.set_attn_implementation(implementation)
         cache = transformers.DynamicCache(config=model.config)
-        model(ids[:, :300], past_key_values=cache)
-        logits[implementation] = model(ids[:, 300:], past_key_values=cache).logits
+        model(ids[:, :300], cache=cache)
+        logits[implementation] = model(ids[:, 300:], cache=cache).logits
     torch.testing.assert_close(logits["cosa"], logits["sdpa"], rtol=1e-9, atol=1e-9)
     assert hasattr(model.model.layers[0].self_attn, "cosa_plan") == (head_dim == 64)
 
@@ -125,8 +125,8 @@ def test_a_static_cache_s_empty_slots_stay_out_of_attention(model_and_ids):
     for implementation in ("sdpa", "cosa"):
         model.set_attn_implementation(implementation)
         cache = transformers.StaticCache(config=model.config, max_cache_len=512)
-        prefill = model(ids[:1, :300], past_key_values=cache).logits
-        logits[implementation] = (prefill, model(ids[:1, 300:301], past_key_values=cache).logits)
+        prefill = model(ids[:1, :300], cache=cache).logits
+        logits[implementation] = (prefill, model(ids[:1, 300:301], cache=cache).logits)
     for got, expected in zip(logits["cosa"], logits["sdpa"]):
         torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-9)
 
