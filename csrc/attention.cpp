@@ -81,36 +81,38 @@ struct cosa_plan {
 
 namespace {
 
+using cosa::fail;
 using cosa::guarded;
 using cosa::require;
 
-[[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
-
 void check_plan_args(const cosa_plan_args& a) {
     if (a.remap.head_dim != 64 && a.remap.head_dim != 128)
-        invalid("head_dim must be 64 or 128, got " + std::to_string(a.remap.head_dim));
+        fail("head_dim must be 64 or 128, got ", a.remap.head_dim);
     if (a.dtype != COSA_DTYPE_BFLOAT16 && a.dtype != COSA_DTYPE_FLOAT16)
-        invalid("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got " +
-                std::to_string(a.dtype));
+        fail("dtype must be COSA_DTYPE_BFLOAT16 or COSA_DTYPE_FLOAT16, got ", a.dtype);
     if (!(a.sm_scale > 0 && a.sm_scale <= COSA_MAX_SM_SCALE))
-        invalid("sm_scale must be in (0, " + cosa::repr(COSA_MAX_SM_SCALE) + "] (float32 logits), got " +
-                cosa::repr(a.sm_scale));
+        fail("sm_scale must be in (0, ", cosa::repr(COSA_MAX_SM_SCALE), "] (float32 logits), got ",
+             cosa::repr(a.sm_scale));
     if (!(std::isfinite(a.delta) && a.delta >= 0))
-        invalid("delta must be finite and >= 0, got " + cosa::repr(a.delta));
+        fail("delta must be finite and >= 0, got ", cosa::repr(a.delta));
     if (a.proxy != COSA_PROXY_KAP && a.proxy != COSA_PROXY_CALLER)
-        invalid("proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got " + std::to_string(a.proxy));
+        fail("proxy must be COSA_PROXY_KAP or COSA_PROXY_CALLER, got ", a.proxy);
     if (a.remap.num_pages > std::numeric_limits<int32_t>::max())
-        invalid("num_pages must fit in int32, got " + std::to_string(a.remap.num_pages));
+        fail("num_pages must fit in int32, got ", a.remap.num_pages);
+}
+
+void check_aligned(const void* data, std::size_t alignment, const char* name) {
+    if (reinterpret_cast<std::uintptr_t>(data) % alignment != 0)
+        fail(name, " must be ", alignment, "-byte aligned");
 }
 
 // q, k, v and o: the kernel reads 16-byte vectors along a contiguous last dim.
 void check_operand(const void* data, const int64_t* strides, int rank, const char* name) {
     require(data, name);
-    if (reinterpret_cast<std::uintptr_t>(data) % 16 != 0) invalid(std::string(name) + " must be 16-byte aligned");
+    check_aligned(data, 16, name);
     for (int i = 0; i < rank; ++i)
         if (strides[i] <= 0 || strides[i] % 8 != 0)
-            invalid(std::string(name) + " strides must be positive multiples of 8, got stride[" +
-                    std::to_string(i) + "]=" + std::to_string(strides[i]));
+            fail(name, " strides must be positive multiples of 8, got stride[", i, "]=", strides[i]);
 }
 
 // The OSK kernel's TMA addresses a cache's pages and kv heads together in 16-byte units, by an
@@ -124,8 +126,8 @@ void check_box_reach(const int64_t* strides, int64_t pages, int64_t heads, const
                      (heads > 1 && head_units > kMaxBoxUnits / (heads - 1)) ||
                      (pages - 1) * page_units + (heads - 1) * head_units > kMaxBoxUnits;
     if (far)
-        invalid(std::string(name) + "'s last page and kv head start more than " + std::to_string(kMaxBoxUnits) +
-                " 16-byte units past its first, beyond what the kernel's TMA addresses (32 GiB)");
+        fail(name, "'s last page and kv head start more than ", kMaxBoxUnits,
+             " 16-byte units past its first, beyond what the kernel's TMA addresses (32 GiB)");
 }
 
 // o [tokens, heads, head_dim] is written by many CTAs at once: no two of its elements may share
@@ -141,9 +143,8 @@ void check_disjoint(const int64_t* strides, int64_t tokens, int64_t heads, int64
     for (const Dim& dim : dims) {
         if (dim.extent <= 1) continue;
         if (dim.stride < span)
-            invalid(std::string(name) + " strides {" + std::to_string(strides[0]) + ", " + std::to_string(strides[1]) +
-                    "} make its [" + std::to_string(tokens) + ", " + std::to_string(heads) + ", " +
-                    std::to_string(head_dim) + "] elements overlap");
+            fail(name, " strides {", strides[0], ", ", strides[1], "} make its [", tokens, ", ", heads, ", ",
+                 head_dim, "] elements overlap");
         span = dim.stride > (std::numeric_limits<int64_t>::max() - span) / (dim.extent - 1)
                    ? std::numeric_limits<int64_t>::max()
                    : span + dim.stride * (dim.extent - 1);
@@ -182,17 +183,12 @@ void check_apart(const std::vector<Span>& outputs, const std::vector<Span>& inpu
         const Span& out = outputs[i];
         auto refuse_if_met = [&](const Span& other) {
             if (out.first < other.end && other.first < out.end)
-                invalid(std::string(out.name) + " shares memory with " + other.name +
-                        ": an output must not overlap another output or an input");
+                fail(out.name, " shares memory with ", other.name,
+                     ": an output must not overlap another output or an input");
         };
         for (std::size_t j = i + 1; j < outputs.size(); ++j) refuse_if_met(outputs[j]);
         for (const Span& in : inputs) refuse_if_met(in);
     }
-}
-
-void check_aligned(const void* data, std::size_t alignment, const char* name) {
-    if (reinterpret_cast<std::uintptr_t>(data) % alignment != 0)
-        invalid(std::string(name) + " must be " + std::to_string(alignment) + "-byte aligned");
 }
 
 // What cosa_run reads and writes, before any of it is touched: q, the cache and o as the
@@ -351,8 +347,7 @@ template <class Args>
 void launch_config(const Launcher<Args> (&configs)[4], cosa_dtype dtype, int32_t head_dim, const Args& args,
                    void* stream, const char* what) {
     if ((dtype != COSA_DTYPE_BFLOAT16 && dtype != COSA_DTYPE_FLOAT16) || (head_dim != 64 && head_dim != 128))
-        invalid(std::string(what) + ": no kernel for dtype " + std::to_string(static_cast<int>(dtype)) +
-                " and head_dim " + std::to_string(head_dim));
+        fail(what, ": no kernel for dtype ", static_cast<int>(dtype), " and head_dim ", head_dim);
     const int config = (dtype == COSA_DTYPE_BFLOAT16 ? 0 : 2) + (head_dim == 64 ? 0 : 1);
     const int32_t ret = configs[config](args, static_cast<cudaStream_t>(stream));
     if (ret != 0) throw cosa::CudaError(std::string(what) + " launch failed with code " + std::to_string(ret));
@@ -434,9 +429,8 @@ cosa_status cosa_plan_create(const cosa_plan_args* args, cosa_plan** out) {
             }
             words = (words + 63) / 64 * 64;  // 256 bytes: aligned for 16-byte vectors and int64
             if (words > kMaxWords - at)
-                invalid("num_qo_heads=" + std::to_string(host.num_qo_heads) + " and num_kv_heads=" +
-                        std::to_string(plan->num_kv_heads) + " over " + std::to_string(host.num_kv_blocks()) +
-                        " key blocks give the plan more than " + std::to_string(kMaxWords) + " words");
+                fail("num_qo_heads=", host.num_qo_heads, " and num_kv_heads=", plan->num_kv_heads, " over ",
+                     host.num_kv_blocks(), " key blocks give the plan more than ", kMaxWords, " words");
             offset = at;
             at += words;
         };
@@ -490,18 +484,16 @@ cosa_status cosa_run(const cosa_plan* plan, const cosa_run_args* args, void* str
         const cosa::Plan& p = plan->remap.plan;
         if (p.num_tiles() == 0) return;  // no query rows: nothing to read or write (empty tensors may be NULL)
         check_run_operands(*plan, *args);
+        if (args->order == nullptr && plan->proxy == COSA_PROXY_CALLER)
+            fail("order must not be NULL: the plan was created with proxy COSA_PROXY_CALLER");
         if (args->order == nullptr && !kap_ranks(plan->proxy, p))
-            invalid(plan->proxy == COSA_PROXY_CALLER
-                        ? std::string("order must not be NULL: the plan was created with proxy COSA_PROXY_CALLER")
-                        : "order must not be NULL: the longest request has " + std::to_string(p.max_request_blocks()) +
-                              " key blocks, more than the " + std::to_string(kKapMaxKeyBlocks) +
-                              " that cosa_run's proxy ranks");
+            fail("order must not be NULL: the longest request has ", p.max_request_blocks(),
+                 " key blocks, more than the ", kKapMaxKeyBlocks, " that cosa_run's proxy ranks");
 #ifdef COSA_AOT_KERNELS
         int device = 0;
         cosa::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
         if (device != plan->device)
-            invalid("plan was created on device " + std::to_string(plan->device) + ", the current device is " +
-                    std::to_string(device));
+            fail("plan was created on device ", plan->device, ", the current device is ", device);
         const int32_t hq = p.num_qo_heads, d = plan->head_dim, page_size = plan->page_size,
                       hkv = plan->num_kv_heads, nq = static_cast<int32_t>(p.num_qtiles()),
                       num_kv_blocks = static_cast<int32_t>(p.num_kv_blocks()),

@@ -57,7 +57,7 @@ cosa_status guarded(Body&& body) noexcept {
 }
 
 inline void require(const void* pointer, const char* name) {
-    if (pointer == nullptr) throw std::invalid_argument(std::string(name) + " must not be NULL");
+    if (pointer == nullptr) fail(name, " must not be NULL");
 }
 
 // Validates args and builds the host plan; throws std::invalid_argument.

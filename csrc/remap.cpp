@@ -4,8 +4,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <sstream>
-#include <stdexcept>
 #include <string>
 
 namespace cosa {
@@ -16,13 +14,6 @@ constexpr int64_t kBlock = COSA_BLOCK_SIZE;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 // Far above any model's; keeps the tile order's byte counts well inside int64.
 constexpr int64_t kMaxHeadDim = int64_t{1} << 16;
-
-template <class... Parts>
-[[noreturn]] void fail(const Parts&... parts) {
-    std::ostringstream message;
-    (message << ... << parts);
-    throw std::invalid_argument(message.str());
-}
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

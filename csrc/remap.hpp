@@ -6,6 +6,8 @@
 #include <array>
 #include <charconv>
 #include <cstdint>
+#include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -17,6 +19,15 @@ namespace cosa {
 inline std::string repr(double value) {
     char buffer[32];
     return std::string(buffer, std::to_chars(buffer, buffer + sizeof buffer, value).ptr);
+}
+
+// Throws std::invalid_argument with the parts streamed into one message, which starts with the
+// offending argument's name (cosa_last_error's rule for COSA_ERROR_INVALID_ARGUMENT).
+template <class... Parts>
+[[noreturn]] void fail(const Parts&... parts) {
+    std::ostringstream message;
+    (message << ... << parts);
+    throw std::invalid_argument(message.str());
 }
 
 inline constexpr std::array<int32_t, 5> kPageSizes = {16, 32, 64, 128, 256};
