@@ -11,8 +11,9 @@
  *
  * Conventions:
  *  - Functions returning cosa_status never throw or abort; on failure
- *    cosa_last_error() says which argument is wrong and why, and output
- *    parameters are left untouched unless documented otherwise.
+ *    cosa_last_error() says why (which argument is wrong, for
+ *    COSA_ERROR_INVALID_ARGUMENT), and output parameters are left untouched
+ *    unless documented otherwise.
  *  - Arrays are int32, row-major, passed as pointer + element count; a
  *    pointer may be NULL only when its count is 0.
  *  - A plan's tables are immutable after creation and may be read from many
@@ -81,8 +82,10 @@ COSA_API int cosa_version(void);
 
 /*
  * Message of the last cosa_status-returning call on this thread: "" after
- * success, else it starts with the offending argument's name, e.g.
- * "kv_indptr must be non-decreasing: kv_indptr[3]=7 > kv_indptr[4]=5".
+ * success; after COSA_ERROR_INVALID_ARGUMENT it starts with the offending
+ * argument's name, e.g.
+ * "kv_indptr must be non-decreasing: kv_indptr[3]=7 > kv_indptr[4]=5";
+ * after another error it says what failed (the CUDA call, the missing kernels).
  * Valid until the next such call on the same thread.
  */
 COSA_API const char* cosa_last_error(void);
@@ -102,6 +105,10 @@ COSA_API const char* cosa_last_error(void);
  * (query head h reads kv head h / (num_qo_heads / num_kv_heads)); with
  * head_dim (1..65536) it sizes the K and V of one kv head, which the tile order
  * uses to keep the kv heads that run together within L2.
+ * The plan's arrays are int32 and indexed by int32, so a request's kv_len,
+ * the batch's key blocks times pages_per_block (block_pages), and the tile
+ * order and order mask (num_qtiles * num_qo_heads * 2 and * k_max entries)
+ * must each stay below 2^31.
  * No field has a default: a zero-initialised struct is non-causal with no
  * block forced, whereas Python's cosa.plan defaults causal, force_local and
  * force_sink to true.
@@ -184,7 +191,8 @@ COSA_API cosa_status cosa_remap_resolve_order(const cosa_remap_plan* plan, const
  * caller passes an order mask of its own (see cosa_run_args.order).
  * Present when libcosa was built with -DCOSA_AOT_KERNELS=ON (the kernels are
  * exported ahead of time and linked in; docs/design.md "Ahead-of-time
- * kernels"); otherwise cosa_plan_create returns COSA_ERROR_UNSUPPORTED.
+ * kernels"); otherwise cosa_plan_create validates its arguments as usual
+ * and, where they are valid, returns COSA_ERROR_UNSUPPORTED.
  * Needs an SM90 GPU and the CUDA driver at run time (the CUDA runtime is
  * linked statically).
  * ------------------------------------------------------------------------ */
