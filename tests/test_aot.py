@@ -517,6 +517,21 @@ def test_run_rejects_bad_operands_and_a_missing_order_it_cannot_rank(c_api):
 
 @pytest.mark.gpu
 @pytest.mark.hopper
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_run_refuses_a_plan_made_on_another_device(c_api):
+    # a plan's tables and scratch live on the device current at cosa_plan_create
+    tokens = 1000
+    with torch.cuda.device(0), c_api.plan(c_api.plan_args(tokens)) as plan, torch.cuda.device(1):
+        q = torch.zeros(tokens, 4, 128, dtype=torch.bfloat16, device="cuda:1")
+        o = torch.full_like(q, float("nan"))
+        cache = torch.zeros(-(-tokens // 128), 2, 128, 2, 128, dtype=torch.bfloat16, device="cuda:1")
+        assert c_api.run(plan, c_api.run_args(q, cache, o)) == _INVALID_ARGUMENT
+        assert c_api.error() == "plan was created on device 0, the current device is 1"
+        assert o.isnan().all()
+
+
+@pytest.mark.gpu
+@pytest.mark.hopper
 def test_a_caller_proxy_plan_runs_the_callers_order_and_needs_one(c_api):
     tokens = 3000
     with c_api.plan(c_api.plan_args(tokens, proxy=1)) as plan:   # COSA_PROXY_CALLER
