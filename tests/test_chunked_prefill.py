@@ -85,6 +85,8 @@ def test_merge_rejects_parts_that_do_not_match():
              ((o, lse, o[:1], lse), ValueError, r"o_b must be \[n, heads, d\] = \(5, 3, 8\)"),
              ((o, lse, o, lse[0]), ValueError, "lse_b must be 2-D"),
              ((o.long(), lse, o.long(), lse), TypeError, "o_a and lse_a must be floating"),
+             ((o, lse, o, lse.long()), TypeError, "o_b and lse_b must be floating"),
+             ((o, lse, o, lse.to("meta")), ValueError, "o_b and lse_b must be on o_a's device cpu, got cpu and meta"),
              ((o, lse, o.bfloat16(), lse), TypeError, "o_b must have o_a's dtype torch.float32"),
              ((o.tolist(), lse, o, lse), TypeError, "o_a must be a torch.Tensor")]
     for args, error, message in cases:

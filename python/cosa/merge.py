@@ -23,6 +23,9 @@ def merge_states(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
         if o.shape != o_a.shape or lse.shape != o_a.shape[:2]:
             raise ValueError(f"{name} must be [n, heads, d] = {tuple(o_a.shape)} and lse{name[1:]} [n, heads] = "
                              f"{tuple(o_a.shape[:2])}, got {tuple(o.shape)} and {tuple(lse.shape)}")
+        if o.device != o_a.device or lse.device != o_a.device:
+            raise ValueError(f"{name} and lse{name[1:]} must be on o_a's device {o_a.device}, got {o.device} and "
+                             f"{lse.device}")
     if o_b.dtype != o_a.dtype:
         raise TypeError(f"o_b must have o_a's dtype {o_a.dtype}, got {o_b.dtype}")
     lse = torch.logaddexp(lse_a, lse_b)
