@@ -112,6 +112,18 @@ def test_bad_arguments_are_named():
     cache, kv_indptr, kv_indices, _ = paged_kv_cache(k, k, [40], 16, combined=False)
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         gather_pages(cache[0], "XYZ", kv_indices, 40)
+    combined = torch.stack(cache, dim=1)
+    with pytest.raises(ValueError, match=r"cache must be 4-D, got shape \(3, 2, 16, "):
+        gather_pages(combined, "NHD", kv_indices, 40)
+    with pytest.raises(ValueError, match="cache must be 4-D"):
+        scatter_pages(combined, "NHD", kv_indices, k)
+    for bad_pages, error, message in ((kv_indices.tolist(), TypeError, "pages must be a torch.Tensor, got list"),
+                                      (kv_indices.float(), TypeError, "pages must be int32 or int64 page ids"),
+                                      (kv_indices[None], ValueError, "pages must be 1-D")):
+        with pytest.raises(error, match=message):
+            gather_pages(cache[0], "NHD", bad_pages, 40)
+        with pytest.raises(error, match=message):
+            scatter_pages(cache[0], "NHD", bad_pages, k)
     with pytest.raises(ValueError, match=r"kv_len must be in \[0, 48\] for 3 pages of 16 rows, got -1"):
         gather_pages(cache[0], "NHD", kv_indices, -1)
     with pytest.raises(ValueError, match="the head_dim axis must be contiguous"):

@@ -65,17 +65,27 @@ def split_kv_cache(paged_kv_cache) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def cache_geometry(k: torch.Tensor, kv_layout: str) -> CacheGeometry:
+def cache_geometry(cache: torch.Tensor, kv_layout: str) -> CacheGeometry:
+    """The geometry of one 4-D cache (K or V: ``split_kv_cache``'s views) in ``kv_layout``."""
+    check_tensor("cache", cache, dim=4)
     if check_kv_layout(kv_layout) == "NHD":
-        num_pages, page_size, num_kv_heads, head_dim = k.shape
+        num_pages, page_size, num_kv_heads, head_dim = cache.shape
     else:
-        num_pages, num_kv_heads, page_size, head_dim = k.shape
+        num_pages, num_kv_heads, page_size, head_dim = cache.shape
     return CacheGeometry(num_pages, page_size, num_kv_heads, head_dim)
+
+
+def _check_page_ids(pages) -> torch.Tensor:
+    check_tensor("pages", pages, dim=1)
+    if pages.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"pages must be int32 or int64 page ids, got {pages.dtype}")
+    return pages
 
 
 def gather_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, kv_len: int) -> torch.Tensor:
     """The first ``kv_len`` rows stored in ``pages`` (in order) as ``[kv_len, num_kv_heads, head_dim]``."""
     page_size = cache_geometry(cache, kv_layout).page_size
+    _check_page_ids(pages)
     if not 0 <= kv_len <= pages.shape[0] * page_size:
         raise ValueError(f"kv_len must be in [0, {pages.shape[0] * page_size}] for {pages.shape[0]} pages "
                          f"of {page_size} rows, got {kv_len}")
@@ -90,6 +100,7 @@ def scatter_pages(cache: torch.Tensor, kv_layout: str, pages: torch.Tensor, x: t
     order): the inverse of :func:`gather_pages`. Later rows keep their content; no host sync, so
     the page ids themselves are the caller's to keep in range (torch's indexing asserts)."""
     geometry = cache_geometry(cache, kv_layout)
+    _check_page_ids(pages)
     check_tensor("x", x, dim=3)
     if tuple(x.shape[1:]) != (geometry.num_kv_heads, geometry.head_dim):
         raise ValueError(f"x must be [n, {geometry.num_kv_heads}, {geometry.head_dim}] as the cache's rows, "
