@@ -354,6 +354,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args[:4], 4, 0, D, PAGE)
     with expect(TypeError, "num_qo_heads"):
         cosa.plan(*args[:4], 4.0, 2, D, PAGE)
+    with expect(TypeError, "num_qo_heads must be an int, got bool"):
+        cosa.plan(*args[:4], True, 1, D, PAGE)
     with expect(ValueError, "num_qo_heads must be <= 2147483647, got 1180591620717411303424"):
         cosa.plan(*args[:4], 2**70, 2, D, PAGE)
     assert type(cosa.plan(*args[:4], np.int64(4), np.int32(2), D, PAGE).num_qo_heads) is int  # kept as ints
@@ -371,6 +373,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args, budget=1.5)
     with expect(ValueError, "delta"):
         cosa.plan(*args, delta=-0.1)
+    with expect(ValueError, "delta must be a finite float >= 0, got inf"):
+        cosa.plan(*args, delta=math.inf)
     with expect(TypeError, "delta must be a float, got str"):
         cosa.plan(*args, delta="0.1")
     for name in ("budget", "delta", "sm_scale"):   # ints no float holds
@@ -389,6 +393,8 @@ def test_scalar_checks(batch):
         assert getattr(cosa.plan(*args, **{flag: np.bool_(False)}), flag) is False   # numpy's bools are bools
     with expect(TypeError, "q_data_type"):
         cosa.plan(*args, q_data_type=torch.int8)
+    with expect(TypeError, "kv_data_type must be one of"):
+        cosa.plan(*args, kv_data_type=torch.int8)
     with expect(ValueError, "kv_layout"):
         cosa.plan(*args, kv_layout="nhd")
 
@@ -420,16 +426,24 @@ def test_run_argument_checks(batch):
     k, v = batch.cache[:, 0], batch.cache[:, 1]
     with expect(TypeError, r"a \(k_cache, v_cache\) tuple of tensors"):
         cosa.run(plan, batch.q, (k, "v_cache"))
+    with expect(TypeError, r"a \(k_cache, v_cache\) tuple of tensors"):
+        cosa.run(plan, batch.q, (k, v, v))
     with expect(ValueError, "k_cache must be 4-D"):
         cosa.run(plan, batch.q, (k[0], v[0]))
     with expect(ValueError, "k_cache and v_cache differ in dtype or device"):
         cosa.run(plan, batch.q, (k, v.half()))
+    with expect(ValueError, "k_cache and v_cache differ in dtype or device"):
+        cosa.run(plan, batch.q, (k, v.to("meta")))
     with expect(ValueError, "the head_dim axis must be contiguous"):
         cosa.run(plan, batch.q, batch.cache.transpose(-1, -2).contiguous().transpose(-1, -2))
     with expect(ValueError, "page_size"):        # an HND cache read as NHD
         cosa.run(plan, batch.q, batch.cache.transpose(2, 3))
-    with expect(ValueError, "out"):
-        cosa.run(plan, batch.q, batch.cache, out=torch.empty_like(batch.q[:-1]))
+    for bad_out in (torch.empty_like(batch.q[:-1]), batch.q.tolist(), torch.empty_like(batch.q, device="meta")):
+        with expect(ValueError, "out must be a tensor like q"):
+            cosa.run(plan, batch.q, batch.cache, out=bad_out)
+    for bad_lse in (batch.q[..., 0].float().tolist(), torch.empty(batch.q.shape[:2], device="meta")):
+        with expect(ValueError, "lse must be a float32 tensor of shape"):
+            cosa.run(plan, batch.q, batch.cache, lse=bad_lse)
     with expect(ValueError, "lse"):
         cosa.run(plan, batch.q, batch.cache, lse=torch.empty(batch.q.shape[:2], dtype=torch.float64))
     with expect(ValueError, "lse"):
