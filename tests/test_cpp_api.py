@@ -1,13 +1,14 @@
 """The installed C API, used as a downstream C/C++ project would: tests/cpp is
 configured with find_package(cosa) against the installed package, built and run."""
 
-import importlib.util
 import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+import cosa
 
 EXAMPLE = Path(__file__).parent / "cpp"
 
@@ -25,10 +26,9 @@ def test_remap_example_against_installed_package(tmp_path):
     for variable, default in (("CC", "cc"), ("CXX", "c++")):
         if shutil.which(os.environ.get(variable, default)) is None:
             pytest.skip(f"no {default} compiler (set {variable})")
-    prefix = importlib.util.find_spec("cosa").submodule_search_locations[0]
     build = tmp_path / "build"
 
-    _run(cmake, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={prefix}",
+    _run(cmake, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={cosa.cmake_prefix_path()}",
          "-DCMAKE_BUILD_TYPE=Release")
     _run(cmake, "--build", build)
     output = _run(build / "remap_example")
