@@ -126,4 +126,6 @@ def main(out_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(f"usage: python -m {__spec__.name} OUT_DIR")  # relative imports: -m only
     main(sys.argv[1])

@@ -99,6 +99,11 @@ def test_installed_wheel_loads_its_kernels(site):
     assert sources.strip() == repr([("aot", str(_libcosa(site)))] * len(aot.KERNELS) * len(CONFIGS))
 
 
+def test_export_without_an_output_directory_says_how_to_call_it():
+    result = subprocess.run([sys.executable, "-m", "cosa.cute_kernels.aot"], capture_output=True, text=True)
+    assert (result.returncode, result.stderr) == (1, "usage: python -m cosa.cute_kernels.aot OUT_DIR\n")
+
+
 def test_loader_compiles_when_disabled(monkeypatch):
     monkeypatch.setenv(aot.DISABLE_AOT, "1")  # wins over a libcosa with the kernels
     monkeypatch.setattr(cosa._C, "has_kernels", lambda: True)
