@@ -137,8 +137,10 @@ def test_capture_qkv_records_what_attention_read(model_and_ids):
     attention_inputs = []
     hooks = [layer.self_attn.o_proj.register_forward_hook(lambda m, args, out: attention_inputs.append(args[0]))
              for layer in model.model.layers]
-    with pytest.raises(ValueError, match="capture_qkv takes one sequence, got a batch of 2"):
-        cosa_hf.capture_qkv(model, ids)
+    for bad in (ids, ids[0]):
+        with pytest.raises(ValueError, match=rf"capture_qkv takes one sequence, input_ids \[1, n\], got shape "
+                                             rf"\({', '.join(map(str, bad.shape))},?\)"):
+            cosa_hf.capture_qkv(model, bad)
     captured = cosa_hf.capture_qkv(model, ids[:1])
     for hook in hooks:
         hook.remove()

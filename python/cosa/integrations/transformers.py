@@ -128,8 +128,8 @@ def capture_qkv(model, input_ids: torch.Tensor) -> list[tuple[torch.Tensor, torc
     """Post-RoPE ``(q [n, Hq, d], k [n, Hkv, d], v [n, Hkv, d])`` float32 on the CPU, per layer,
     from one dense forward pass of ``input_ids [1, n]``."""
     global _captured
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"capture_qkv takes one sequence, got a batch of {input_ids.shape[0]}")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"capture_qkv takes one sequence, input_ids [1, n], got shape {tuple(input_ids.shape)}")
     register(**_options)
     _captured = []
     try:
