@@ -80,8 +80,9 @@ import threading
 import cuda.bindings.driver as cuda
 
 # osk first: it sets the DSL's target architecture before the DSL is imported
-from .osk import (CONFIGS, _HAVE_TVM_FFI, _Operands, _check_shapes, _check_vector_rows, _cutlass_dtype,
-                  _dtype_name, _fake_tensor, _launch, _BoundTensors, _plan_tables, _row_offset)
+from .osk import (CONFIGS, _HAVE_TVM_FFI, _Operands, _check_config, _check_flags, _check_shapes,
+                  _check_tiles_have_blocks, _check_vector_rows, _cutlass_dtype, _dtype_name, _fake_tensor,
+                  _launch, _BoundTensors, _plan_tables, _row_offset)
 from .osk import supported as _osk_supported
 from .aot import load_or_compile
 from .plan_layout import (BLOCK_SIZE, QT_LOCAL_FIRST, QT_LOCAL_LAST, QT_NUM_CANDIDATES, QT_NUM_SELECTED,
@@ -454,6 +455,7 @@ def _compiled(key, build):
 
 def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = None):
     """The compiled ``(pool, rank)`` kernels for one configuration (cached in-process)."""
+    _check_config(dtype_name, head_dim)
     use_tvm_ffi = _HAVE_TVM_FFI if use_tvm_ffi is None else bool(use_tvm_ffi)
     options = "--enable-tvm-ffi" if use_tvm_ffi else ""
 
@@ -480,21 +482,20 @@ class Launcher:
     def __init__(self, block_pages, kv_block_indptr, kv_lens, qtiles, qbar, kbar, order, *,
                  force_local: bool, force_sink: bool, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, dtype, kv_layout: str = "NHD"):
-        import numpy as np
         import torch
 
         from ..checks import byte_span, check_apart  # like torch, imported when a launch needs it
 
         self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
         self.operands.check(_WHO)   # head_dim and dtype: OSK's configurations are KAP's
-        for name, flag in (("force_local", force_local), ("force_sink", force_sink)):
-            if not isinstance(flag, (bool, np.bool_)):
-                raise TypeError(f"{_WHO}: {name} must be a bool, got {flag!r}")
+        _check_flags(_WHO, force_local=force_local, force_sink=force_sink)
+        plan_tables = _plan_tables(_WHO, self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order)
         nq = qtiles.shape[0]
         _check_shapes(_WHO, {
-            **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
+            **plan_tables,
             "qbar": (qbar, torch.float32, (nq, num_qo_heads, head_dim)),
             "kbar": (kbar, torch.float32, (block_pages.shape[0], num_kv_heads, head_dim))})
+        _check_tiles_have_blocks(_WHO, qtiles, order, block_pages)
         _check_vector_rows(_WHO, "qbar", qbar)   # compiled for 16-byte rows (_fake_means)
         _check_vector_rows(_WHO, "kbar", kbar)
         outputs = {"qbar": qbar, "kbar": kbar, "order": order}
@@ -506,7 +507,7 @@ class Launcher:
         if max_request_blocks > MAX_KEY_BLOCKS:
             raise ValueError(f"{_WHO}: kv_block_indptr has a request of {max_request_blocks} key blocks, more "
                              f"than the kernels rank ({MAX_KEY_BLOCKS})")
-        self.k_max = order.shape[-1]
+        self.num_qtiles = nq
         self._pool_bound = _BoundTensors(block_pages, kv_block_indptr, kv_lens, kbar)
         self._rank_bound = _BoundTensors(qbar, kbar, qtiles, kv_block_indptr, order)
         self._rank_scalars = (max_request_blocks, int(force_local), int(force_sink))
@@ -517,7 +518,7 @@ class Launcher:
 
         (k,) = self.operands.views(_WHO, q, {"k_cache": k_cache}, {})
         check_apart({}, {"q": q, "k_cache": k_cache}, who=_WHO, checked_outputs=self._output_spans)
-        if self.k_max == 0:  # no tile selects a block, nothing to write
+        if self.num_qtiles == 0:  # nothing to rank
             return
         name, D = _dtype_name(self.operands.dtype), self.operands.head_dim
         (pool, rank), source = load_or_compile(("kap_pool", "kap_rank"), name, D, lambda: compile_config(name, D))

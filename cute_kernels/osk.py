@@ -1459,6 +1459,13 @@ def supported(head_dim: int, dtype) -> bool:
     return head_dim in HEAD_DIMS and name in _DTYPE_NAMES
 
 
+def _check_config(dtype_name: str, head_dim: int) -> None:
+    """Refuses a configuration outside ``CONFIGS`` before anything is compiled for it."""
+    if (dtype_name, head_dim) not in CONFIGS:
+        raise ValueError(f"no kernel for dtype_name={dtype_name!r} and head_dim={head_dim!r}: the configurations "
+                         f"are {CONFIGS}")
+
+
 def _fake_tensor(dtype, rank: int, vectorized: bool = False):
     """A fake tensor to compile against: every extent dynamic, the last dim contiguous;
     ``vectorized``: 16-byte aligned rows (TMA, 128-bit copies).  Every extent, head_dim
@@ -1485,6 +1492,7 @@ def _fake_args(dtype_name: str):
 
 def compile_config(dtype_name: str, head_dim: int, use_tvm_ffi: bool | None = None):
     """Compile (or fetch from the in-process cache) the kernel for one configuration."""
+    _check_config(dtype_name, head_dim)
     if use_tvm_ffi is None:
         use_tvm_ffi = _HAVE_TVM_FFI
     key = (dtype_name, head_dim, bool(use_tvm_ffi))
@@ -1549,7 +1557,9 @@ class _Operands(NamedTuple):
     @classmethod
     def of(cls, who: str, q, k_cache, kv_layout: str) -> "_Operands":
         """As ``q`` and ``k_cache`` have them: what the unbound launchers bind to."""
-        _check_kv_layout(who, kv_layout)
+        from ..paged import check_kv_layout  # like torch, imported when a launch needs it
+
+        check_kv_layout(kv_layout, who)
         if q.dim() != 3 or k_cache.dim() != 4:
             raise ValueError(f"{who}: q must be 3-D and k_cache 4-D, got shapes {list(q.shape)} and "
                              f"{list(k_cache.shape)}")
@@ -1558,7 +1568,9 @@ class _Operands(NamedTuple):
 
     def check(self, who: str) -> None:
         """Refuses what no kernel takes."""
-        _check_kv_layout(who, self.kv_layout)
+        from ..paged import check_kv_layout
+
+        check_kv_layout(self.kv_layout, who)
         if not supported(self.head_dim, self.dtype):
             raise ValueError(f"{who}: no kernel for head_dim={self.head_dim}, dtype={self.dtype}")
         if not 16 <= self.page_size <= 256 or self.page_size & (self.page_size - 1):
@@ -1599,11 +1611,6 @@ class _Operands(NamedTuple):
         return tuple(views.values())
 
 
-def _check_kv_layout(who: str, kv_layout: str) -> None:
-    if kv_layout not in ("NHD", "HND"):
-        raise ValueError(f"{who}: kv_layout must be 'NHD' or 'HND', got {kv_layout!r}")
-
-
 def _nhd(cache, kv_layout: str):
     return cache.permute(0, 2, 1, 3) if kv_layout == "HND" else cache
 
@@ -1628,6 +1635,25 @@ def _check_box_reach(who: str, name: str, view) -> None:
                          f"more than the kernel's TMA addresses ({MAX_BOX_UNITS}, 32 GiB)")
 
 
+def _check_tiles_have_blocks(who: str, qtiles, order, block_pages) -> None:
+    """A plan with query tiles has key blocks and selects at least one, which the kernels' grids
+    and loops assume (a plan without tiles launches nothing).  After ``_check_shapes``."""
+    nq = qtiles.shape[0]
+    if nq and (order.shape[-1] == 0 or block_pages.shape[0] == 0):
+        raise ValueError(f"{who}: {nq} query tiles but order has k_max={order.shape[-1]} and block_pages "
+                         f"{block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
+
+
+def _check_flags(who: str, **flags) -> None:
+    """Each of ``flags`` a bool (numpy's included): a kernel takes them as 0 or 1, and a string
+    such as "False" would be true."""
+    import numpy as np
+
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{who}: {name} must be a bool, got {flag!r}")
+
+
 def _check_shapes(who: str, expected: dict) -> None:
     """``expected``: {name: (tensor, dtype, shape)}, None in a shape for any extent.  The kernels
     index every tensor by the plan's extents, unchecked on the device: a tensor of another dtype
@@ -1643,11 +1669,15 @@ def _check_shapes(who: str, expected: dict) -> None:
             raise ValueError(f"{who}: {name} must have a contiguous last dim, got strides {t.stride()}")
 
 
-def _plan_tables(operands: _Operands, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
+def _plan_tables(who: str, operands: _Operands, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
     """The plan tables both launchers take, as ``_check_shapes`` checks them: {name: (tensor,
-    dtype, shape)}."""
+    dtype, shape)}.  The extents come from the tables themselves (the launchers read block_pages'
+    too), so those tables' ranks are checked first."""
     import torch
 
+    for name, t, rank in (("qtiles", qtiles, 2), ("kv_lens", kv_lens, 1), ("block_pages", block_pages, 2)):
+        if t.dim() != rank:
+            raise ValueError(f"{who}: {name} must be {rank}-D, got shape {list(t.shape)}")
     nq, batch, i32 = qtiles.shape[0], kv_lens.shape[0], torch.int32
     return {"block_pages": (block_pages, i32, (None, operands.pages_per_block)),
             "kv_block_indptr": (kv_block_indptr, i32, (batch + 1,)), "kv_lens": (kv_lens, i32, (batch,)),
@@ -1670,19 +1700,19 @@ class Launcher:
 
         self.operands = _Operands(num_qo_heads, num_kv_heads, head_dim, page_size, dtype, kv_layout)
         self.operands.check(_WHO)
+        _check_flags(_WHO, causal=causal)
+        plan_tables = _plan_tables(_WHO, self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order)
         nq, i32 = qtiles.shape[0], torch.int32
         _check_shapes(_WHO, {
-            **_plan_tables(self.operands, block_pages, kv_block_indptr, kv_lens, qtiles, order),
+            **plan_tables,
             "qo_lens": (qo_lens, i32, tuple(kv_lens.shape)), "tile_order": (tile_order, i32, (nq * num_qo_heads, 2)),
             "computed": (computed, i32, (nq, num_qo_heads)), "skipped": (skipped, i32, (nq, num_qo_heads))})
+        _check_tiles_have_blocks(_WHO, qtiles, order, block_pages)
         tables = {"block_pages": block_pages, "kv_block_indptr": kv_block_indptr, "qo_lens": qo_lens,
                   "kv_lens": kv_lens, "qtiles": qtiles, "tile_order": tile_order, "order": order}
         counters = {"computed": computed, "skipped": skipped}
         check_apart(counters, tables, who=_WHO)
         self.num_tiles = tile_order.shape[0]
-        if self.num_tiles and (order.shape[-1] == 0 or block_pages.shape[0] == 0):
-            raise ValueError(f"{_WHO}: {self.num_tiles} tiles but order has k_max={order.shape[-1]} and "
-                             f"block_pages {block_pages.shape[0]} key blocks; a plan with tiles has both >= 1")
         self.causal = causal
         self._bound = _BoundTensors(*tables.values(), *counters.values())  # in the kernel's order, after lse
         self._table_spans = tuple(byte_span(name, t) for name, t in tables.items())
@@ -1691,8 +1721,9 @@ class Launcher:
     def __call__(self, q, k_cache, v_cache, o, lse, *, sm_scale: float, log_delta: float) -> None:
         import torch
 
-        from ..checks import check_apart
+        from ..checks import as_float, check_apart
 
+        sm_scale, log_delta = as_float(f"{_WHO}: sm_scale", sm_scale), as_float(f"{_WHO}: log_delta", log_delta)
         operands = self.operands
         kv_k, kv_v = operands.views(_WHO, q, {"k_cache": k_cache, "v_cache": v_cache}, {"o": o})
         _check_box_reach(_WHO, "k_cache", kv_k)

@@ -202,6 +202,10 @@ _SHARED_WORDS = torch.zeros(128 * 4 * 64)  # o's bytes, in which lse starts
     ({"o": torch.zeros(1, 4, 128, dtype=torch.bfloat16).expand(128, 4, 128)}, ValueError, r"o's elements overlap"),
     ({"lse": torch.zeros(4, 128).t()}, ValueError, r"osk_forward: lse must have a contiguous last dim"),
     ({"computed": torch.zeros(4, 2, dtype=torch.int32)[:, :1].t()}, ValueError, r"computed must have a contiguous last dim"),
+    # the tables' extents come from the tables: their ranks first
+    ({"qtiles": torch.tensor(0, dtype=torch.int32)}, ValueError, r"osk_forward: qtiles must be 2-D, got shape \[\]"),
+    ({"kv_lens": torch.tensor(128, dtype=torch.int32)}, ValueError, r"osk_forward: kv_lens must be 1-D"),
+    ({"causal": "False"}, TypeError, r"osk_forward: causal must be a bool, got 'False'"),
     # outputs written while the inputs are read
     ({"q": _SHARED_Q, "o": _SHARED_Q}, ValueError, r"osk_forward: o shares memory with q: an output must not overlap"),
     ({"computed": _SHARED_COUNTS, "skipped": _SHARED_COUNTS}, ValueError, r"computed shares memory with skipped"),
@@ -211,6 +215,13 @@ _SHARED_WORDS = torch.zeros(128 * 4 * 64)  # o's bytes, in which lse starts
 def test_osk_forward_rejects(change, error, match):
     with pytest.raises(error, match=match):
         osk.osk_forward(**_forward_args(**change), sm_scale=1.0, log_delta=-math.inf)
+
+
+def test_compile_config_refuses_a_configuration_without_kernels():
+    for compile_config in (osk.compile_config, kap.compile_config):
+        for dtype_name, head_dim in (("float32", 128), ("bfloat16", 96)):
+            with pytest.raises(ValueError, match=rf"no kernel for dtype_name='{dtype_name}' and head_dim={head_dim}"):
+                compile_config(dtype_name, head_dim)
 
 
 def test_osk_forward_takes_a_plan_without_tiles(monkeypatch):
@@ -232,10 +243,13 @@ def test_osk_forward_rejects_a_scale_the_kernel_cannot_use():
     for log_delta in (math.nan, math.inf):
         with pytest.raises(ValueError, match=r"log_delta must be ln\(delta\) for a finite delta >= 0"):
             osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=log_delta)
+    for name in ("sm_scale", "log_delta"):
+        with pytest.raises(TypeError, match=rf"osk_forward: {name} must be a float, got NoneType"):
+            osk.osk_forward(**_forward_args(), **{"sm_scale": 1.0, "log_delta": -math.inf, name: None})
 
 
 def test_osk_forward_rejects_an_unknown_kv_layout():
-    with pytest.raises(ValueError, match=r"kv_layout must be 'NHD' or 'HND', got 'NDH'"):
+    with pytest.raises(ValueError, match=r"osk_forward: kv_layout must be one of \('NHD', 'HND'\), got 'NDH'"):
         osk.osk_forward(**_forward_args(), sm_scale=1.0, log_delta=-math.inf, kv_layout="NDH")
 
 
@@ -284,8 +298,21 @@ def test_kap_order_rejects(change, error, match):
 
 
 def test_kap_order_rejects_an_unknown_kv_layout():
-    with pytest.raises(ValueError, match=r"kap_order: kv_layout must be 'NHD' or 'HND', got 'NDH'"):
+    with pytest.raises(ValueError, match=r"kap_order: kv_layout must be one of \('NHD', 'HND'\), got 'NDH'"):
         kap.kap_order(**_kap_args(), kv_layout="NDH")
+
+
+def test_kap_order_takes_a_plan_without_tiles_and_refuses_tiles_without_blocks(monkeypatch):
+    monkeypatch.setattr(kap, "_launch", lambda *args: pytest.fail("launched without tiles"))
+    i32 = torch.int32
+    kap.kap_order(**_kap_args(q=torch.zeros(0, 4, 128, dtype=torch.bfloat16), qtiles=torch.zeros(0, 8, dtype=i32),
+                              qbar=torch.zeros(0, 4, 128), order=torch.zeros(0, 4, 3, dtype=i32)))
+    for change, message in (({"order": torch.zeros(1, 4, 0, dtype=i32)}, r"k_max=0 and block_pages 1 key blocks"),
+                            ({"block_pages": torch.zeros(0, 8, dtype=i32), "kbar": torch.zeros(0, 2, 128)},
+                             r"k_max=1 and block_pages 0 key blocks")):
+        with pytest.raises(ValueError, match=rf"kap_order: 1 query tiles but order has {message}; a plan with "
+                                             r"tiles has both >= 1"):
+            kap.kap_order(**_kap_args(**change))
 
 
 def test_valid_arguments_reach_the_launch_with_the_kernel_s_configuration(monkeypatch):

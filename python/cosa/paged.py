@@ -33,9 +33,11 @@ class CacheGeometry(NamedTuple):
     head_dim: int
 
 
-def check_kv_layout(kv_layout: str) -> str:
+def check_kv_layout(kv_layout: str, who: str = "") -> str:
+    """``kv_layout``, if it is one of ``KV_LAYOUTS``; ``who`` prefixes the error (a launcher's name)."""
     if kv_layout not in KV_LAYOUTS:
-        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        prefix = f"{who}: " if who else ""
+        raise ValueError(f"{prefix}kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     return kv_layout
 
 
