@@ -1671,8 +1671,8 @@ def _check_shapes(who: str, expected: dict) -> None:
 
 def _plan_tables(who: str, operands: _Operands, block_pages, kv_block_indptr, kv_lens, qtiles, order) -> dict:
     """The plan tables both launchers take, as ``_check_shapes`` checks them: {name: (tensor,
-    dtype, shape)}.  The extents come from the tables themselves (the launchers read block_pages'
-    too), so those tables' ranks are checked first."""
+    dtype, shape)}.  The extents come from qtiles and kv_lens themselves, and the launchers read
+    block_pages' first extent, so those three tables' ranks are checked first."""
     import torch
 
     for name, t, rank in (("qtiles", qtiles, 2), ("kv_lens", kv_lens, 1), ("block_pages", block_pages, 2)):
