@@ -489,8 +489,9 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     computed keys (``-inf`` for a row that computed none). Statistics of the
     call are read with ``plan.stats()``.
 
-    ``out`` and ``lse`` are written instead of new tensors: with both given (or
-    ``return_lse=False``) run allocates nothing, its scratch being the plan's.
+    ``out`` and ``lse`` are written instead of new tensors: with ``out`` given, and
+    ``lse`` given or ``return_lse=False``, the kernel path allocates nothing, its
+    scratch being the plan's.
     They must not overlap each other, q, the cache or the plan's memory, nor may q and
     the cache overlap the plan's memory.
 
