@@ -438,6 +438,11 @@ def test_run_argument_checks(batch):
         cosa.run(plan, batch.q, batch.cache.transpose(-1, -2).contiguous().transpose(-1, -2))
     with expect(ValueError, "page_size"):        # an HND cache read as NHD
         cosa.run(plan, batch.q, batch.cache.transpose(2, 3))
+    # a cache of other kv heads or head_dim would read as finite, wrong attention
+    with expect(ValueError, f"paged_kv_cache has num_kv_heads={2 * HKV} .* the plan has num_kv_heads={HKV}"):
+        cosa.run(plan, batch.q, torch.cat([batch.cache, batch.cache], 3))
+    with expect(ValueError, f"paged_kv_cache has head_dim={D // 2} .* the plan has head_dim={D}"):
+        cosa.run(plan, batch.q, batch.cache[..., :D // 2].contiguous())
     for bad_out in (torch.empty_like(batch.q[:-1]), batch.q.tolist(), torch.empty_like(batch.q, device="meta")):
         with expect(ValueError, "out must be a tensor like q"):
             cosa.run(plan, batch.q, batch.cache, out=bad_out)
