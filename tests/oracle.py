@@ -14,7 +14,8 @@ BLOCK = 128
 
 
 def tile_schedule(q_len, kv_len, causal, budget, force_local, force_sink):
-    """Per query tile: (candidates, local blocks, num_selected)."""
+    """Per query tile: (candidates, local blocks, num_selected); the one model of the schedule
+    that the plan tests (test_remap) and the order-mask tests share."""
     tiles = []
     kv_blocks = -(-kv_len // BLOCK)
     for i in range(-(-q_len // BLOCK)):
@@ -26,7 +27,9 @@ def tile_schedule(q_len, kv_len, causal, budget, force_local, force_sink):
         clamp = lambda j: min(max(j, 0), candidates - 1)  # noqa: E731
         local = sorted({clamp((kv_len - q_len + first) // BLOCK), clamp((kv_len - q_len + last) // BLOCK)})
         forced = set(local if force_local else []) | ({0} if force_sink else set())
-        selected = min(candidates, max(len(forced), math.ceil(budget * candidates - 1e-9)))
+        # at least one block, as SPEC's ceil(b1 * n) >= 1 for b1 > 0
+        budgeted = max(1, math.ceil(budget * candidates - 1e-9))
+        selected = min(candidates, max(len(forced), budgeted))
         tiles.append((candidates, local, selected))
     return tiles
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cosa import _C
+import oracle
 
 BLOCK = 128
 PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -53,29 +54,11 @@ def model_plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len, *, page_size,
     qtiles = []
     for r in range(batch):
         q_len, kv_len = qo_lens[r], kv_lens[r]
-        for i in range(math.ceil(q_len / BLOCK)):
+        schedule = oracle.tile_schedule(q_len, kv_len, causal, budget, force_local, force_sink)
+        for i, (candidates, local, selected) in enumerate(schedule):
             first_row = i * BLOCK
-            last_row = min(first_row + BLOCK, q_len) - 1
-            if causal:
-                candidates = (kv_len - q_len + last_row) // BLOCK + 1
-            else:
-                candidates = num_blocks[r]
-
-            def clamp(block):
-                return min(max(block, 0), candidates - 1)
-
-            local_first = clamp((kv_len - q_len + first_row) // BLOCK)
-            local_last = clamp((kv_len - q_len + last_row) // BLOCK)
-            forced = set()
-            if force_local:
-                forced.update(range(local_first, local_last + 1))
-            if force_sink:
-                forced.add(0)
-            # At least one block, as SPEC's ceil(b1 * n) >= 1 for b1 > 0.
-            budgeted = max(1, math.ceil(budget * candidates - 1e-9))
-            selected = min(candidates, max(len(forced), budgeted))
-            qtiles.append([r, i, qo_indptr[r] + first_row, last_row - first_row + 1, candidates,
-                           local_first, local_last, selected])
+            rows = min(first_row + BLOCK, q_len) - first_row
+            qtiles.append([r, i, qo_indptr[r] + first_row, rows, candidates, local[0], local[-1], selected])
 
     # kv heads in groups whose K and V (2-byte elements) fit KV_L2_BYTES; in each, longest tiles first
     kv_head_bytes = sum(num_blocks) * BLOCK * head_dim * 2 * 2
