@@ -22,6 +22,8 @@ def run_batch(batch, hq, hkv, d, page_size, layout="NHD", **options):
                      hq, hkv, d, page_size, kv_layout=layout, q_data_type=batch.q.dtype, **options)
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), dtype=torch.float32)
+    for written in (plan.order, plan.computed, plan.skipped):   # poisoned: run writes every entry
+        written.fill_(-7)
     o, lse = cosa.run(plan, batch.q, batch.cache, out=out, lse=lse, return_lse=True)
     assert o is out and torch.isfinite(o).all(), "every output element must be written"
     assert not torch.isnan(lse).any(), "every lse element must be written"
@@ -92,6 +94,13 @@ def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
         rows = request_rows(batch, r)
         torch.testing.assert_close(o[rows], want_o, rtol=1e-9, atol=1e-9)
         torch.testing.assert_close(lse[rows].double(), want_lse, rtol=1e-6, atol=1e-6)
+        # the reference's record of the visited blocks, which the eval studies read
+        order = plan.order[qtile:qtile + tiles]
+        visited = torch.ones_like(order, dtype=torch.bool)
+        ordered_skip_attention(q, k, v, order, causal=True, sm_scale=1 / math.sqrt(d), delta=delta,
+                               visited=visited)
+        assert not (visited & (order < 0)).any()
+        assert visited.sum(-1).tolist() == want_computed.tolist()
         qtile += tiles
     assert stats.computed.sum() + stats.skipped.sum() == stats.selected.sum() * hq
 
@@ -102,7 +111,7 @@ def test_visiting_order_does_not_change_the_output_without_skipping():
     q = torch.randn(q_len, 2, 64, generator=g, dtype=torch.float64)
     k, v = (torch.randn(kv_len, 1, 64, generator=g, dtype=torch.float64) for _ in range(2))
     order = torch.tensor([[[3, 0, 1], [3, 2, 0]], [[4, 3, 2], [4, 0, 1]]], dtype=torch.int32)
-    shuffled = order[..., torch.randperm(3, generator=g)]
+    shuffled = order.roll(1, -1)
     base = ordered_skip_attention(q, k, v, order, causal=True, sm_scale=0.125, delta=0.0)
     again = ordered_skip_attention(q, k, v, shuffled, causal=True, sm_scale=0.125, delta=0.0)
     torch.testing.assert_close(base[0], again[0], rtol=1e-12, atol=1e-12)
@@ -124,10 +133,12 @@ def test_hand_built_skips(strong_later_block):
     if strong_later_block:
         k[256:384, 0, 0] = 240.0                             # block 2 beats block 0 by 5 nats
     order = torch.tensor([[[0, 1, 2, 3]]], dtype=torch.int32)
+    was_visited = torch.ones_like(order, dtype=torch.bool)   # poisoned: every step is written
     o, _, computed, skipped = ordered_skip_attention(q, k, v, order, causal=False, sm_scale=0.125,
-                                                     delta=0.05)
+                                                     delta=0.05, visited=was_visited)
     visited = [0, 2] if strong_later_block else [0]
     assert computed.item() == len(visited) and skipped.item() == 4 - len(visited)
+    assert was_visited[0, 0].tolist() == [j in visited for j in range(4)]
     keys = torch.cat([torch.arange(128 * j, 128 * j + 128) for j in visited])
     want, _ = oracle.dense(q, k[keys], v[keys], q_len, len(keys), False, 0.125)
     torch.testing.assert_close(o, want, rtol=1e-12, atol=1e-12)
