@@ -59,6 +59,8 @@ def test_run_replays_in_a_cuda_graph_on_new_data(page_size):
     old = out.clone()
 
     fill(batch, q, cache, g)
+    for written, poison in ((out, float("nan")), (plan.computed, -7), (plan.skipped, -7)):
+        written.fill_(poison)   # the replay must write every entry again
     graph.replay()
     replayed, computed, skipped = out.clone(), plan.computed.clone(), plan.skipped.clone()
     eager = cosa.run(plan, q, cache)

@@ -114,6 +114,7 @@ def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal,
                      HQ, HKV, D, PAGE, causal=causal, budget=0.4, delta=0.0, q_data_type=torch.float64,
                      proxy=proxy)
     assert plan.proxy == proxy
+    plan.order.fill_(-7)   # poisoned: the proxy writes every entry
     cosa.run(plan, batch.q, batch.cache)
     q, k, _ = batch.requests[0]
     sm_scale = 1 / math.sqrt(D)
