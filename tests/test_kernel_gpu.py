@@ -312,6 +312,13 @@ def test_non_causal_equals_dense():
              q_lens=[100, 260], kv_lens=[300, 390], budget=1.0, delta=0.0, causal=False, dense=True)
 
 
+def test_non_causal_ordered_skip_matches_reference():
+    # no causal mask: every key is visible, and the stage-2 tests see no masked block
+    stats = run_case(dtype=torch.float16, head_dim=64, page_size=32, layout="HND", group=4, q_lens=RAGGED_Q,
+                     kv_lens=RAGGED_KV, budget=0.7, delta=0.5, causal=False, inputs=skewed_inputs)
+    assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
+
+
 def test_one_block_tiles():
     # every tile has exactly one candidate block: it is computed, never skipped
     stats = run_case(dtype=torch.bfloat16, head_dim=128, page_size=32, layout="HND", group=1,

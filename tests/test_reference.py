@@ -64,9 +64,10 @@ def test_dense_reference_matches_oracle(causal, group, q_len, kv_len):
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("budget,delta", [(0.25, 0.05), (0.5, 0.2), (0.1, 0.0), (1.0, 0.05)])
 @pytest.mark.parametrize("force", [(True, True), (False, True), (True, False), (False, False)])
-def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
+def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force, causal):
     g = fresh_generator()
     hq, hkv, d, page_size = 4, 1, 64, 32
     q_lens, kv_lens = [384, 200], [1100, 200]
@@ -75,13 +76,13 @@ def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
     batch = make_batch(q_lens, kv_lens, hq, hkv, d, page_size, generator=g, qkv=structured)
     force_local, force_sink = force
     plan, o, lse = run_batch(batch, hq, hkv, d, page_size, budget=budget, delta=delta,
-                             force_local=force_local, force_sink=force_sink)
+                             force_local=force_local, force_sink=force_sink, causal=causal)
     stats = plan.stats()
     qtile = 0
     for r, (q, k, v) in enumerate(batch.requests):
-        want_order = oracle.order_mask(q, k, q_lens[r], kv_lens[r], True, budget, force_local, force_sink)
+        want_order = oracle.order_mask(q, k, q_lens[r], kv_lens[r], causal, budget, force_local, force_sink)
         want_o, want_lse, want_computed, want_skipped = oracle.ordered_skip(
-            q, k, v, want_order, q_lens[r], kv_lens[r], True, 1 / math.sqrt(d), delta)
+            q, k, v, want_order, q_lens[r], kv_lens[r], causal, 1 / math.sqrt(d), delta)
         tiles = len(want_order)
         for i in range(tiles):
             for h in range(hq):
@@ -97,7 +98,7 @@ def test_order_mask_outputs_and_statistics_match_oracle(budget, delta, force):
         # the reference's record of the visited blocks, which the eval studies read
         order = plan.order[qtile:qtile + tiles]
         visited = torch.ones_like(order, dtype=torch.bool)
-        ordered_skip_attention(q, k, v, order, causal=True, sm_scale=1 / math.sqrt(d), delta=delta,
+        ordered_skip_attention(q, k, v, order, causal=causal, sm_scale=1 / math.sqrt(d), delta=delta,
                                visited=visited)
         assert not (visited & (order < 0)).any()
         assert visited.sum(-1).tolist() == want_computed.tolist()
