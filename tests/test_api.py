@@ -365,6 +365,8 @@ def test_scalar_checks(batch):
         cosa.plan(*args[:6], 64.0, PAGE)
     with expect(ValueError, "page_size"):
         cosa.plan(*args[:7], 24)
+    with expect(TypeError, "page_size must be an int, got float"):
+        cosa.plan(*args[:7], 16.0)
     with expect(TypeError, "budget must be a float, got str"):
         cosa.plan(*args, budget="0.25")
     with expect(ValueError, "budget"):
@@ -514,6 +516,8 @@ def test_calibrated_delta_reaches_the_target_density():
     looser = cosa.plan(*plan_args(batch), budget=0.5, delta=delta / 1.01, q_data_type=torch.float32)
     cosa.run(looser, batch.q, batch.cache)
     assert looser.stats().density_stage2 > target
+    # a target that the smallest delta already meets: that delta, with no bisection
+    assert calibrate_delta(plan, batch.q, batch.cache, 1.0, low=1e-6) == 1e-6
     with pytest.raises(ValueError, match="target_density 1e-06 is below the density"):
         calibrate_delta(plan, batch.q, batch.cache, 1e-6)
     with pytest.raises(ValueError, match=r"target_density must be in \(0, 1\], got 0"):
@@ -526,6 +530,12 @@ def test_calibrated_delta_reaches_the_target_density():
         calibrate_delta(plan, batch.q, batch.cache, 0.5, low=True)
     with pytest.raises(ValueError, match="target_density must be a number, got NaN"):
         calibrate_delta(plan, batch.q, batch.cache, math.nan)
+    with pytest.raises(TypeError, match="target_density must be a float, got str"):
+        calibrate_delta(plan, batch.q, batch.cache, "0.5")
+    with pytest.raises(ValueError, match="high must be a number, got NaN"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, high=math.nan)
+    with pytest.raises(TypeError, match="high must be a float, got NoneType"):
+        calibrate_delta(plan, batch.q, batch.cache, 0.5, high=None)
     with pytest.raises(TypeError, match="plan must be a cosa.Plan"):
         calibrate_delta("plan", batch.q, batch.cache, 0.5)
     with pytest.raises(ValueError, match="steps must be >= 0, got -1"):

@@ -83,6 +83,8 @@ def test_merge_rejects_parts_that_do_not_match():
     o, lse = torch.randn(5, 3, 8), torch.randn(5, 3)
     cases = [((o, lse[:, :1], o, lse), ValueError, r"lse_a \[n, heads\] = \(5, 3\)"),
              ((o, lse, o[:1], lse), ValueError, r"o_b must be \[n, heads, d\] = \(5, 3, 8\)"),
+             ((o[0], lse, o, lse), ValueError, "o_a must be 3-D"),
+             ((o, lse, o[None], lse), ValueError, "o_b must be 3-D"),
              ((o, lse, o, lse[0]), ValueError, "lse_b must be 2-D"),
              ((o.long(), lse, o.long(), lse), TypeError, "o_a and lse_a must be floating"),
              ((o, lse, o, lse.long()), TypeError, "o_b and lse_b must be floating"),

@@ -102,6 +102,14 @@ def test_bad_arguments_are_named():
         paged_kv_cache(k, k.double(), [40], 16)
     with pytest.raises(ValueError, match="k must be 3-D"):
         paged_kv_cache(k[0], k, [40], 16)
+    with pytest.raises(ValueError, match="v must be 3-D"):
+        paged_kv_cache(k, k[None], [40], 16)
+    with pytest.raises(ValueError, match="kv_layout must be one of"):
+        paged_kv_cache(k, k, [40], 16, kv_layout="NDH")
+    with pytest.raises(TypeError, match=r"kv_lens\[1\] must be an int, got float"):
+        page_table([10, 30.0], 16)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+        to_pages(k.tolist(), 16)
     with pytest.raises(ValueError, match=r"kv_lens\[0\] must be >= 0, got -5"):
         page_table([-5], 16)
     for page_size, error in ((0, ValueError), (-16, ValueError), (16.0, TypeError)):
@@ -112,6 +120,8 @@ def test_bad_arguments_are_named():
     cache, kv_indptr, kv_indices, _ = paged_kv_cache(k, k, [40], 16, combined=False)
     with pytest.raises(ValueError, match="kv_layout must be one of"):
         gather_pages(cache[0], "XYZ", kv_indices, 40)
+    with pytest.raises(TypeError, match="cache must be a torch.Tensor, got tuple"):
+        gather_pages(cache, "NHD", kv_indices, 40)
     combined = torch.stack(cache, dim=1)
     with pytest.raises(ValueError, match=r"cache must be 4-D, got shape \(3, 2, 16, "):
         gather_pages(combined, "NHD", kv_indices, 40)

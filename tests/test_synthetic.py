@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -32,7 +34,14 @@ def test_shapes_and_the_last_positions(seq_len, q_len):
     ((100.0, 4, 2, 64), {}, TypeError, "seq_len must be an int"),
     ((100, 4, 2, 64), {"segment_len": 0}, ValueError, "segment_len must be >= 1"),
     ((100, 4, 2, 64), {"num_topics": 0}, ValueError, "num_topics must be >= 1"),
+    ((100, 4, 2, 64), {"q_len": -1}, ValueError, "q_len must be >= 0"),
+    ((100, 0, 2, 64), {}, ValueError, "num_qo_heads must be >= 1"),
+    ((100, 4, 2, 0), {}, ValueError, "head_dim must be >= 2"),
+    ((100, 4, 2, 64.0), {}, TypeError, "head_dim must be an int"),
     ((100, 4, 2, 64), {"local_strength": -1.0}, ValueError, "local_strength must be in"),
+    ((100, 4, 2, 64), {"sink_strength": -1.0}, ValueError, "sink_strength must be in"),
+    ((100, 4, 2, 64), {"topic_strength": math.nan}, ValueError, "topic_strength must be a number"),
+    ((100, 4, 2, 64), {"noise": "0.3"}, TypeError, "noise must be a float"),
 ])
 def test_bad_arguments_are_named(args, kwargs, error, message):
     with pytest.raises(error, match=message):
