@@ -32,6 +32,7 @@ def test_summary_takes_each_modes_median_of_every_time_and_the_table_shows_them(
 
 
 @pytest.mark.parametrize("argv", [["--repeats", "0"], ["--steady", "0"], ["--seq-len", "0"]])
-def test_bad_arguments_are_refused(argv):
+def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bench_first_call.parse_args(argv)
+    assert "need --seq-len, --repeats and --steady >= 1" in capsys.readouterr().err

@@ -80,14 +80,20 @@ def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
     assert skip_costs(results[:2]) == {version: None for version in bench_osk_ab.VERSIONS}
 
 
-@pytest.mark.parametrize("argv", [["v.py", "--seq-lens", "1000"], ["v.py", "--seq-lens", "0"],
-                                  ["v.py", "--page-sizes", "256", "--seq-lens", "384"], ["v.py", "--rounds", "0"],
-                                  ["v.py", "--repeats", "0"], ["v.py", "--rounds", "3"], ["v.py", "--warmup", "0"],
-                                  ["v.py", "--settle", "nan"], ["v.py", "--head-dim", "96"],
-                                  []])
-def test_bad_arguments_are_refused(argv):
+LENGTHS = "sequence lengths must be positive multiples of"
+TIMING = "need an even --rounds >= 2, --repeats >= 1, --settle >= 0 and --warmup >= 1"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["v.py", "--seq-lens", "1000"], LENGTHS + " 128"), (["v.py", "--seq-lens", "0"], LENGTHS + " 128"),
+    (["v.py", "--page-sizes", "256", "--seq-lens", "384"], LENGTHS + " 256"), (["v.py", "--rounds", "0"], TIMING),
+    (["v.py", "--repeats", "0"], TIMING), (["v.py", "--rounds", "3"], TIMING), (["v.py", "--warmup", "0"], TIMING),
+    (["v.py", "--settle", "nan"], TIMING), (["v.py", "--head-dim", "96"], "argument --head-dim: invalid choice"),
+    ([], "the following arguments are required: base")])
+def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit):
         bench_osk_ab.parse_args(argv)
+    assert message in capsys.readouterr().err
     assert bench_osk_ab.parse_args(["v.py", "--warmup", "0", "--settle", "0"]).warmup == 0   # nothing to estimate
 
 

@@ -27,9 +27,10 @@ def test_proxy_bytes_are_the_benchmarks_q_and_k():
 
 @pytest.mark.parametrize("argv", [["--seq-lens", "0"], ["--rounds", "0"], ["--repeats", "0"],
                                   ["--settle", "-1"], ["--settle", "nan"]])
-def test_bad_arguments_are_refused(argv):
+def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         bench_read_floor.parse_args(argv)
+    assert "--seq-lens, --rounds and --repeats must be positive and --settle at least 0" in capsys.readouterr().err
 
 
 def test_read_once_compiles_for_sm90a():
