@@ -109,7 +109,8 @@ def test_plan_on_a_gpu_other_than_hopper_runs_the_reference(batch, monkeypatch):
     for r, (q, k, v) in enumerate(batch.requests):
         expected, _ = oracle.dense(q, k, v, q.shape[0], k.shape[0], True, plan.sm_scale)
         rows = slice(plan.qo_indptr_host[r], plan.qo_indptr_host[r + 1])
-        torch.testing.assert_close(o[rows], expected, rtol=2e-2, atol=2e-2)
+        # relative to the whole output, as the kernel tests check it: bf16's rounding is ~1e-3
+        assert float((o[rows] - expected).norm()) <= 1e-2 * float(expected.norm()), f"request {r}"
 
 
 def test_empty_batch_runs():
