@@ -27,7 +27,7 @@ from cosa.cute_kernels import kap
 from cosa.paged import uniform_page_table
 from cosa.proxy import block_means, proxy_order
 from cosa.proxy.order import grouped_products, is_forced
-from batch import make_batch
+from batch import fresh_generator, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
@@ -96,9 +96,7 @@ def check(plan, batch, order: torch.Tensor) -> None:
 
 def run_case(*, dtype, head_dim, page_size, layout, group, budget, q_lens, kv_lens, combined=True,
              num_qo_heads=8, force_local=True, force_sink=True):
-    seed = torch.seed()
-    print(f"seed={seed}")
-    g = torch.Generator().manual_seed(seed)
+    g = fresh_generator()
     num_kv_heads = num_qo_heads // group
     batch = make_batch(q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, layout=layout,
                        combined=combined, dtype=dtype, generator=g)
