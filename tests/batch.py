@@ -19,6 +19,17 @@ class Batch:
     q_lens: list
     kv_lens: list
 
+    def page_table(self, device=None) -> list:
+        """``[qo_indptr, kv_indptr, kv_indices, kv_last_page_len]`` on ``device``: cosa.plan's first four
+        arguments."""
+        return [t.to(device) for t in (self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len)]
+
+    def cache_on(self, device):
+        """The cache on ``device``: the tensor, or each part of a ``(k, v)`` tuple."""
+        if isinstance(self.cache, tuple):
+            return tuple(t.to(device) for t in self.cache)
+        return self.cache.to(device)
+
 
 def fresh_generator() -> torch.Generator:
     """A generator on a fresh seed, printed so that a failing case (pytest shows its output) replays."""

@@ -28,7 +28,7 @@ def batch():
 
 
 def plan_args(batch):
-    return [batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE]
+    return [*batch.page_table(), HQ, HKV, D, PAGE]
 
 
 def test_wrapper_matches_functions_and_fills_the_workspace(batch):
@@ -105,7 +105,7 @@ def test_plan_on_a_gpu_other_than_hopper_runs_the_reference(batch, monkeypatch):
         plan = cosa.plan(*(x.cuda() for x in plan_args(batch)[:4]), *plan_args(batch)[4:],
                          budget=1.0, delta=0.0)
     assert plan.kernel is None and plan.rank_kernel is None
-    o = cosa.run(plan, batch.q.cuda(), batch.cache.cuda()).cpu().double()
+    o = cosa.run(plan, batch.q.cuda(), batch.cache_on("cuda")).cpu().double()
     for r, (q, k, v) in enumerate(batch.requests):
         expected, _ = oracle.dense(q, k, v, q.shape[0], k.shape[0], True, plan.sm_scale)
         rows = slice(plan.qo_indptr_host[r], plan.qo_indptr_host[r + 1])

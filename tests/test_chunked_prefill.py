@@ -55,8 +55,7 @@ def test_merging_prefix_and_chunk_states_equals_attention_over_both():
     def attend(keys, values, causal):
         batch = make_batch([chunk], [keys.shape[0]], HQ, HKV, D, page_size, generator=g,
                            qkv=lambda r, q_len, kv_len: (q, keys, values))
-        plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                         HQ, HKV, D, page_size, causal=causal, budget=1.0, delta=0.0,
+        plan = cosa.plan(*batch.page_table(), HQ, HKV, D, page_size, causal=causal, budget=1.0, delta=0.0,
                          q_data_type=torch.float64)
         return cosa.run(plan, batch.q, batch.cache, return_lse=True)
 

@@ -38,10 +38,9 @@ def fill(batch, q: torch.Tensor, cache: torch.Tensor, generator: torch.Generator
 def test_run_replays_in_a_cuda_graph_on_new_data(page_size):
     g = fresh_generator()
     batch = make_batch(Q_LENS, KV_LENS, HQ, HKV, D, page_size, dtype=torch.bfloat16, generator=g)
-    q, cache = batch.q.cuda(), batch.cache.cuda()
+    q, cache = batch.q.cuda(), batch.cache_on("cuda")
     fill(batch, q, cache, g)
-    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
-                     batch.kv_last_page_len.cuda(), HQ, HKV, D, page_size, budget=0.5, delta=DELTA,
+    plan = cosa.plan(*batch.page_table("cuda"), HQ, HKV, D, page_size, budget=0.5, delta=DELTA,
                      q_data_type=torch.bfloat16)
     out = torch.empty_like(q)
 

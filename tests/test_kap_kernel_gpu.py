@@ -100,9 +100,8 @@ def run_case(*, dtype, head_dim, page_size, layout, group, budget, q_lens, kv_le
     num_kv_heads = num_qo_heads // group
     batch = make_batch(q_lens, kv_lens, num_qo_heads, num_kv_heads, head_dim, page_size, layout=layout,
                        combined=combined, dtype=dtype, generator=g)
-    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
-    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
-                     batch.kv_last_page_len.cuda(), num_qo_heads, num_kv_heads, head_dim, page_size,
+    cache = batch.cache_on("cuda")
+    plan = cosa.plan(*batch.page_table("cuda"), num_qo_heads, num_kv_heads, head_dim, page_size,
                      budget=budget, q_data_type=dtype, kv_layout=layout, force_local=force_local,
                      force_sink=force_sink)
     assert plan.rank_kernel is not None, "cosa.plan did not pick the KAP kernel for a supported configuration"

@@ -131,9 +131,8 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
                        combined=combined, dtype=dtype, spare_pages=spare_pages, generator=g,
                        qkv=inputs(num_qo_heads, hkv, head_dim, g) if inputs else None)
     q = batch.q.to(device)
-    cache = tuple(t.to(device) for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.to(device)
-    plan = cosa.plan(batch.qo_indptr.to(device), batch.kv_indptr.to(device), batch.kv_indices.to(device),
-                     batch.kv_last_page_len.to(device), num_qo_heads, hkv, head_dim, page_size,
+    cache = batch.cache_on(device)
+    plan = cosa.plan(*batch.page_table(device), num_qo_heads, hkv, head_dim, page_size,
                      causal=causal, budget=budget, delta=delta, q_data_type=dtype, kv_layout=layout)
     assert plan.uses_kernel, "cosa.plan did not pick the OSK kernel for a supported configuration"
     out_rows = torch.full((q.shape[0], num_qo_heads + (1 if fused else 0), head_dim), float("nan"),
@@ -351,10 +350,9 @@ def test_full_budget_matches_flash_attention_4(dtype, head_dim, page_size):
     num_qo_heads, hkv = 8, 2
     batch = make_batch([300, 128, 77], [300, 520, 1000], num_qo_heads, hkv, head_dim, page_size,
                        dtype=dtype, generator=g)
-    plan = cosa.plan(batch.qo_indptr.cuda(), batch.kv_indptr.cuda(), batch.kv_indices.cuda(),
-                     batch.kv_last_page_len.cuda(), num_qo_heads, hkv, head_dim, page_size,
-                     budget=1.0, delta=0.0, q_data_type=dtype)
-    cache = tuple(t.cuda() for t in batch.cache) if isinstance(batch.cache, tuple) else batch.cache.cuda()
+    plan = cosa.plan(*batch.page_table("cuda"), num_qo_heads, hkv, head_dim, page_size, budget=1.0, delta=0.0,
+                     q_data_type=dtype)
+    cache = batch.cache_on("cuda")
     o = cosa.run(plan, batch.q.cuda(), cache, out=torch.full_like(batch.q, float("nan"), device="cuda"))
     for (q, k, v), rows in zip(batch.requests, zip(batch.qo_indptr[:-1].tolist(), batch.qo_indptr[1:].tolist())):
         expected = fa4.flash_attn_func(*(x.to(device="cuda", dtype=dtype)[None] for x in (q, k, v)),

@@ -110,9 +110,8 @@ def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal,
                                  dtype=torch.float64)
         return q, k[:kv_len], v[:kv_len]
     batch = make_batch([q_len], [kv_len], HQ, HKV, D, PAGE, generator=g, qkv=structured)
-    plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                     HQ, HKV, D, PAGE, causal=causal, budget=0.4, delta=0.0, q_data_type=torch.float64,
-                     proxy=proxy)
+    plan = cosa.plan(*batch.page_table(), HQ, HKV, D, PAGE, causal=causal, budget=0.4, delta=0.0,
+                     q_data_type=torch.float64, proxy=proxy)
     assert plan.proxy == proxy
     plan.order.fill_(-7)   # poisoned: the proxy writes every entry
     cosa.run(plan, batch.q, batch.cache)
@@ -136,7 +135,7 @@ def test_proxies_disagree_somewhere_and_full_budget_is_dense_for_all():
     structured = lambda r, q_len, kv_len: structured_qkv(  # noqa: E731
         kv_len, HQ, HKV, D, q_len=q_len, segment_len=96, generator=g, dtype=torch.float64)
     batch = make_batch([1024], [2048], HQ, HKV, D, PAGE, generator=g, qkv=structured)
-    args = (batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len, HQ, HKV, D, PAGE)
+    args = (*batch.page_table(), HQ, HKV, D, PAGE)
     orders = {}
     q, k, v = batch.requests[0]
     dense, _ = oracle.dense(q, k, v, 1024, 2048, True, 1 / math.sqrt(D))
@@ -155,8 +154,7 @@ def test_proxies_disagree_somewhere_and_full_budget_is_dense_for_all():
 def test_plan_rejects_an_unknown_proxy(proxy):
     batch = make_batch([10], [10], HQ, HKV, D, PAGE)
     with pytest.raises(ValueError, match="proxy must be one of"):
-        cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                  HQ, HKV, D, PAGE, proxy=proxy)
+        cosa.plan(*batch.page_table(), HQ, HKV, D, PAGE, proxy=proxy)
 
 
 def test_xattention_refuses_a_stride_that_does_not_divide_the_block():

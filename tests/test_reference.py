@@ -18,8 +18,8 @@ PAGE_SIZES = (16, 32, 64, 128, 256)
 
 
 def run_batch(batch, hq, hkv, d, page_size, layout="NHD", **options):
-    plan = cosa.plan(batch.qo_indptr, batch.kv_indptr, batch.kv_indices, batch.kv_last_page_len,
-                     hq, hkv, d, page_size, kv_layout=layout, q_data_type=batch.q.dtype, **options)
+    plan = cosa.plan(*batch.page_table(), hq, hkv, d, page_size, kv_layout=layout, q_data_type=batch.q.dtype,
+                     **options)
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), dtype=torch.float32)
     for written in (plan.order, plan.computed, plan.skipped):   # poisoned: run writes every entry
