@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+import bench_first_call
 import cosa
 from cosa.cute_kernels import aot, kap
 from cosa.cute_kernels.aot import KernelSource
@@ -28,9 +29,6 @@ from cosa.cute_kernels.osk import CONFIGS
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "cpp"
-
-sys.path.insert(0, str(ROOT / "bench"))
-import bench_first_call  # noqa: E402
 
 
 def _run(*command, env=None) -> str:

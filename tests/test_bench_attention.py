@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_attention  # noqa: E402
-from bench_attention import Row, skip_cost_ratio  # noqa: E402
+import bench_attention
+from bench_attention import Row, skip_cost_ratio
 
 
 def rows_from_costs(fixed: float, computed_cost: float, skipped_cost: float, rng: random.Random):

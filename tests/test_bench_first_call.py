@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import random
 import statistics
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_first_call  # noqa: E402
+import bench_first_call
 
 
 def test_summary_takes_each_modes_median_of_every_time_and_the_table_shows_them():

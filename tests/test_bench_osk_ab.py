@@ -4,15 +4,12 @@ arguments, and the message without a GPU."""
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_osk_ab  # noqa: E402
-from bench_osk_ab import COSA_D0, COSA_FORCED, COSA_SKIP_ALL, Result, compare, skip_costs  # noqa: E402
+import bench_osk_ab
+from bench_osk_ab import COSA_D0, COSA_FORCED, COSA_SKIP_ALL, Result, compare, skip_costs
 
 
 def outputs(rows: int) -> tuple[torch.Tensor, ...]:

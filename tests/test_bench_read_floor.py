@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_attention  # noqa: E402
-import bench_read_floor  # noqa: E402
+import bench_attention
+import bench_read_floor
 
 
 def test_proxy_bytes_are_the_benchmarks_q_and_k():

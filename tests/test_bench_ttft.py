@@ -5,14 +5,11 @@ from __future__ import annotations
 import json
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import bench_ttft  # noqa: E402
+import bench_ttft
 
 BF16_LOGITS_ERR = 2e-2   # dense SDPA in bf16 is 9e-3 from the same model with fp32 attention
 

@@ -4,11 +4,9 @@ report itself needs ptxas and cuobjdump)."""
 from __future__ import annotations
 
 import random
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-from sass_report import Loop, first_difference, load_variant, parse_sass, wgmma_loops  # noqa: E402
+from sass_report import Loop, first_difference, load_variant, parse_sass, wgmma_loops
 
 FILLER = ("FADD R4, R4, R5", "@P0 IMAD R6, R7, R8, R9", "UIADD3 UR4, UR4, 0x1, URZ", "FMNMX R2, R2, R3, !PT")
 
