@@ -26,15 +26,10 @@ import cosa
 from cosa.cute_kernels import aot, kap
 from cosa.cute_kernels.aot import KernelSource
 from cosa.cute_kernels.osk import CONFIGS
+from processes import run_checked
 
 ROOT = Path(__file__).parents[1]
 EXAMPLE = ROOT / "examples" / "cpp"
-
-
-def _run(*command, env=None) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, env=env)
-    assert result.returncode == 0, f"{' '.join(map(str, command))}\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 def _require_toolchain():
@@ -55,10 +50,10 @@ def site(tmp_path_factory) -> Path:
     and installs it, without its dependencies, into a fresh directory; returns that."""
     _require_toolchain()
     tmp = tmp_path_factory.mktemp("aot")
-    _run(sys.executable, "-m", "pip", "wheel", ROOT, "--no-build-isolation", "--no-deps", "-q",
+    run_checked(sys.executable, "-m", "pip", "wheel", ROOT, "--no-build-isolation", "--no-deps", "-q",
          "-w", tmp / "wheel", env={**os.environ, "COSA_AOT_KERNELS": "1"})
     (wheel,) = (tmp / "wheel").glob("cosa-*.whl")
-    _run(sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
+    run_checked(sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
          tmp / "site", wheel)
     return tmp / "site"
 
@@ -67,9 +62,9 @@ def site(tmp_path_factory) -> Path:
 def example(site) -> Path:
     """examples/cpp built against the installed wheel; returns the executable."""
     build = site.parent / "example"
-    _run("cmake", "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={site / 'cosa'}",
+    run_checked("cmake", "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={site / 'cosa'}",
          "-DCMAKE_BUILD_TYPE=Release")
-    _run("cmake", "--build", build)
+    run_checked("cmake", "--build", build)
     return build / "attention_example"
 
 
@@ -80,11 +75,11 @@ def _libcosa(site: Path) -> Path:
 def test_example_links_against_installed_wheel(site, example):
     assert example.is_file()
     # The kernels are inside libcosa; its only CUDA dependency left is the driver.
-    symbols = _run("nm", "-D", "--defined-only", _libcosa(site))
+    symbols = run_checked("nm", "-D", "--defined-only", _libcosa(site))
     for kernel in aot.KERNELS:
         for config in CONFIGS:
             assert f"{aot.aot_prefix(kernel, *config)}_args_spec" in symbols
-    assert "libcudart" not in _run("ldd", _libcosa(site))
+    assert "libcudart" not in run_checked("ldd", _libcosa(site))
 
 
 def test_installed_wheel_loads_its_kernels(site):
@@ -93,7 +88,7 @@ def test_installed_wheel_loads_its_kernels(site):
               f"print([tuple(aot.kernel_source(kernel, *config)) for kernel in aot.KERNELS for config in {CONFIGS!r}])")
     env = {name: value for name, value in os.environ.items() if name != aot.DISABLE_AOT}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
-    sources = _run(sys.executable, "-c", script, env=env)
+    sources = run_checked(sys.executable, "-c", script, env=env)
     assert sources.strip() == repr([("aot", str(_libcosa(site)))] * len(aot.KERNELS) * len(CONFIGS))
 
 
@@ -231,7 +226,7 @@ def test_example_matches_python_run(example, gpu_with_wheel_kernels, tmp_path, b
     # Both stages in both: KAP's order mask, then OSK, from the same libcosa on the same
     # inputs, so the same bits (the example checks budget 1 against dense attention itself).
     out = tmp_path / "o.f32"
-    printed = _run(example, out, str(budget), str(delta))
+    printed = run_checked(example, out, str(budget), str(delta))
     assert "all checks passed" in printed if budget == 1.0 else "o written" in printed
     assert "graph replay on new q equals the eager run" in printed
     q, cache, table, shapes = _inputs()
@@ -463,7 +458,7 @@ def test_libcosa_is_named_by_its_minor_version_and_installed_once():
     library = aot.libcosa_path()
     major, minor = cosa.__version__.split(".")[:2]
     assert library.name == f"libcosa.so.{major}.{minor}"
-    assert f"Library soname: [{library.name}]" in _run("readelf", "-d", library)
+    assert f"Library soname: [{library.name}]" in run_checked("readelf", "-d", library)
     assert [path.name for path in library.parent.glob("libcosa*")] == [library.name]
 
 
@@ -649,4 +644,4 @@ torch.testing.assert_close(replayed, eager, rtol=0, atol=0)
 @pytest.mark.gpu
 @pytest.mark.hopper
 def test_first_run_can_be_captured_in_a_cuda_graph(site):
-    _run(sys.executable, "-c", _FIRST_RUN_IN_A_GRAPH, Path(__file__).parent, _libcosa(site))
+    run_checked(sys.executable, "-c", _FIRST_RUN_IN_A_GRAPH, Path(__file__).parent, _libcosa(site))

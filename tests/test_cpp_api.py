@@ -3,20 +3,14 @@ configured with find_package(cosa) against the installed package, built and run.
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import cosa
+from processes import run_checked
 
 EXAMPLE = Path(__file__).parent / "cpp"
-
-
-def _run(*command) -> str:
-    result = subprocess.run(command, capture_output=True, text=True)
-    assert result.returncode == 0, f"{' '.join(map(str, command))}\n{result.stdout}\n{result.stderr}"
-    return result.stdout
 
 
 def test_remap_example_against_installed_package(tmp_path):
@@ -28,10 +22,10 @@ def test_remap_example_against_installed_package(tmp_path):
             pytest.skip(f"no {default} compiler (set {variable})")
     build = tmp_path / "build"
 
-    _run(cmake, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={cosa.cmake_prefix_path()}",
+    run_checked(cmake, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={cosa.cmake_prefix_path()}",
          "-DCMAKE_BUILD_TYPE=Release")
-    _run(cmake, "--build", build)
-    output = _run(build / "remap_example")
+    run_checked(cmake, "--build", build)
+    output = run_checked(build / "remap_example")
 
     assert "rejected as expected: kv_indptr must be non-decreasing" in output
     assert "all checks passed" in output
