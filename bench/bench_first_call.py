@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("bench_first_call: no CUDA GPU is available; nothing was measured.")
+        print("bench_first_call: no CUDA GPU is available; this benchmark needs one (nothing was measured).")
         return 0
     runs = []
     for repeat in range(args.repeats):

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 import torch
 
-import bench_first_call
 import cosa
 from cosa.cute_kernels import aot, kap
 from cosa.cute_kernels.aot import KernelSource
@@ -177,12 +176,6 @@ def test_launchers_take_all_their_kernels_from_libcosa_or_compile_all(monkeypatc
         (("pool from libcosa", "rank from libcosa"), aot_source)
     del exported["kap_rank"]
     assert aot.load_or_compile(("kap_pool", "kap_rank"), "float16", 64, lambda: compiled) == (compiled, jit_source)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
-def test_bench_first_call_without_a_gpu_says_so_and_exits_0(capsys):
-    assert bench_first_call.main([]) == 0
-    assert "no CUDA GPU" in capsys.readouterr().out
 
 
 def _inputs():

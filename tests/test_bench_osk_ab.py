@@ -1,5 +1,5 @@
-"""bench/bench_osk_ab.py on the CPU: its bitwise comparison, its skip-cost fit per version, its
-arguments, and the message without a GPU."""
+"""bench/bench_osk_ab.py on the CPU: its bitwise comparison, its skip-cost fit per version and its
+arguments (the message without a GPU: test_bench_without_gpu.py)."""
 
 from __future__ import annotations
 
@@ -92,12 +92,6 @@ def test_bad_arguments_are_refused(argv, message, capsys):
         bench_osk_ab.parse_args(argv)
     assert message in capsys.readouterr().err
     assert bench_osk_ab.parse_args(["v.py", "--warmup", "0", "--settle", "0"]).warmup == 0   # nothing to estimate
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
-def test_without_a_gpu_it_says_so_and_exits_0(capsys):
-    assert bench_osk_ab.main(["base.py"]) == 0
-    assert "needs one" in capsys.readouterr().out
 
 
 def test_each_version_is_compiled_from_its_file(monkeypatch):

@@ -1,5 +1,5 @@
-"""bench/bench_read_floor.py on the CPU: the bytes it reads, its arguments, its kernel compiled
-for sm_90a, and the message without a GPU."""
+"""bench/bench_read_floor.py on the CPU: the bytes it reads, its arguments and its kernel compiled
+for sm_90a (the message without a GPU: test_bench_without_gpu.py)."""
 
 from __future__ import annotations
 
@@ -40,9 +40,3 @@ def test_read_once_compiles_for_sm90a():
     compiled = cute.compile(bench_read_floor.read_once_kernel(), from_dlpack(x, assumed_align=16),
                             from_dlpack(sink), cuda.CUstream(0))
     assert compiled is not None
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
-def test_without_a_gpu_it_says_so_and_exits_0(capsys):
-    assert bench_read_floor.main([]) == 0
-    assert "needs one" in capsys.readouterr().out

@@ -38,9 +38,3 @@ def test_density_bound_is_the_ttft_with_attention_scaled_by_the_density():
     assert bound == pytest.approx((attention + rest) / (rest + density * attention), rel=1e-12)
     assert bench_ttft.density_bound(dense, bench_ttft.Row(131072, "cosa", density2=1.0)) == pytest.approx(1.0)
     assert bench_ttft.density_bound(bench_ttft.Row(131072, "fa4"), sparse) is None
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without a GPU")
-def test_without_a_gpu_it_says_so_and_exits_0(capsys):
-    assert bench_ttft.main([]) == 0
-    assert "needs one" in capsys.readouterr().out
