@@ -6,6 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+# what int32 outputs (order masks, counts) are filled with before the code under test writes them:
+# no block index or count it writes is negative but -1
+POISON = -7
+
 
 @dataclass
 class Batch:

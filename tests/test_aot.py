@@ -25,6 +25,7 @@ import cosa
 from cosa.cute_kernels import aot, kap
 from cosa.cute_kernels.aot import KernelSource
 from cosa.cute_kernels.osk import CONFIGS
+from batch import POISON
 from processes import run_checked
 
 ROOT = Path(__file__).parents[1]
@@ -252,8 +253,8 @@ def test_run_with_loaded_kernel_equals_jit(gpu_with_wheel_kernels, monkeypatch, 
             monkeypatch.setenv(aot.DISABLE_AOT, "1")
         # poisoned, so that an element neither kernel writes cannot compare equal
         o, lse = torch.full_like(q, math.nan), torch.full(q.shape[:2], math.nan, device=device)
-        plan.computed.fill_(-7)
-        plan.skipped.fill_(-7)
+        plan.computed.fill_(POISON)
+        plan.skipped.fill_(POISON)
         with torch.cuda.device(0):
             cosa.run(plan, q, cache, out=o, lse=lse)
         stats = plan.stats()

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import cosa
-from batch import fresh_generator, make_batch
+from batch import POISON, fresh_generator, make_batch
 from cosa.synthetic import structured_qkv
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
@@ -57,7 +57,7 @@ def test_run_replays_in_a_cuda_graph_on_new_data(page_size):
     old = out.clone()
 
     fill(batch, q, cache, g)
-    for written, poison in ((out, float("nan")), (plan.computed, -7), (plan.skipped, -7)):
+    for written, poison in ((out, float("nan")), (plan.computed, POISON), (plan.skipped, POISON)):
         written.fill_(poison)   # the replay must write every entry again
     graph.replay()
     replayed, computed, skipped = out.clone(), plan.computed.clone(), plan.skipped.clone()

@@ -27,11 +27,10 @@ from cosa.cute_kernels import kap
 from cosa.paged import uniform_page_table
 from cosa.proxy import block_means, proxy_order
 from cosa.proxy.order import grouped_products, is_forced
-from batch import fresh_generator, make_batch
+from batch import POISON, fresh_generator, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
-POISON = -7
 MEAN_TOL = 1e-5
 # the fp32 score's error allowance, relative to sum_i |qbar_i kbar_i| (errors are ~1e-7 of it)
 SCORE_TOL = 1e-5

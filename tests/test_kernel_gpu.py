@@ -26,12 +26,11 @@ import torch
 import cosa
 from cosa import reference
 from cosa.cute_kernels import osk
-from batch import fresh_generator, make_batch
+from batch import POISON, fresh_generator, make_batch
 
 pytestmark = [pytest.mark.gpu, pytest.mark.hopper]
 
 LSE_SENTINEL = 12345.0
-COUNT_SENTINEL = -7
 
 
 def skewed_inputs(num_qo_heads, num_kv_heads, head_dim, generator):
@@ -141,8 +140,8 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
     if fused:
         q = torch.cat([q, torch.zeros_like(q[:, :2 * hkv])], dim=1)[:, :num_qo_heads]
     lse = torch.full(q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=device)
-    plan.computed.fill_(COUNT_SENTINEL)
-    plan.skipped.fill_(COUNT_SENTINEL)
+    plan.computed.fill_(POISON)
+    plan.skipped.fill_(POISON)
     o, lse = cosa.run(plan, q, cache, out=out, lse=lse, return_lse=True)
     assert o is out
     if fused:  # the reference follows the plan's order, so check KAP's reading of q on its own
@@ -155,7 +154,7 @@ def run_case(*, dtype, head_dim, page_size, layout, group, q_lens, kv_lens, budg
     assert not o.isnan().any(), "o has unwritten (NaN) elements"
     assert out_rows[:, num_qo_heads:].isnan().all(), "run wrote past o's view"
     assert not (lse == LSE_SENTINEL).any(), "lse has unwritten elements"
-    assert not (computed == COUNT_SENTINEL).any() and not (skipped == COUNT_SENTINEL).any()
+    assert not (computed == POISON).any() and not (skipped == POISON).any()
     assert torch.equal(computed + skipped, stats.selected[:, None].expand_as(computed)), \
         "computed + skipped must equal the blocks stage 1 selected"
 

@@ -20,7 +20,7 @@ from cosa.proxy.order import order_from_scores
 from cosa.synthetic import structured_qkv
 
 import oracle
-from batch import fresh_generator, make_batch
+from batch import POISON, fresh_generator, make_batch
 
 BLOCK = 128
 HQ, HKV, D, PAGE = 4, 2, 64, 32
@@ -113,7 +113,7 @@ def test_alternative_proxies_rank_by_their_scoring(proxy, q_len, kv_len, causal,
     plan = cosa.plan(*batch.page_table(), HQ, HKV, D, PAGE, causal=causal, budget=0.4, delta=0.0,
                      q_data_type=torch.float64, proxy=proxy)
     assert plan.proxy == proxy
-    plan.order.fill_(-7)   # poisoned: the proxy writes every entry
+    plan.order.fill_(POISON)   # the proxy writes every entry
     cosa.run(plan, batch.q, batch.cache)
     q, k, _ = batch.requests[0]
     sm_scale = 1 / math.sqrt(D)
@@ -197,7 +197,7 @@ def test_order_puts_forced_blocks_first_breaks_score_ties_by_the_larger_block_an
     scores = torch.randint(-2, 3, (HQ, tiles, blocks), generator=g).to(dtype)   # many ties
     scores[torch.rand(scores.shape, generator=g) < 0.3] = -0.0
     scores[0, -1, :3] = torch.tensor([-math.inf, math.inf, 0.0])
-    plan.order.fill_(-7)
+    plan.order.fill_(POISON)
     order_from_scores(scores, plan.qtiles, plan.order, force_local=force_local, force_sink=force_sink)
     schedule = oracle.tile_schedule(q_len, kv_len, True, 0.5, force_local, force_sink)
     for i, (candidates, local, selected) in enumerate(schedule):

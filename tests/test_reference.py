@@ -12,7 +12,7 @@ from cosa.reference import dense_attention, ordered_skip_attention
 from cosa.synthetic import structured_qkv
 
 import oracle
-from batch import fresh_generator, make_batch
+from batch import POISON, fresh_generator, make_batch
 
 PAGE_SIZES = (16, 32, 64, 128, 256)
 
@@ -22,8 +22,8 @@ def run_batch(batch, hq, hkv, d, page_size, layout="NHD", **options):
                      **options)
     out = torch.full_like(batch.q, float("nan"))
     lse = torch.full(batch.q.shape[:2], float("nan"), dtype=torch.float32)
-    for written in (plan.order, plan.computed, plan.skipped):   # poisoned: run writes every entry
-        written.fill_(-7)
+    for written in (plan.order, plan.computed, plan.skipped):   # run writes every entry
+        written.fill_(POISON)
     o, lse = cosa.run(plan, batch.q, batch.cache, out=out, lse=lse, return_lse=True)
     assert o is out and torch.isfinite(o).all(), "every output element must be written"
     assert not torch.isnan(lse).any(), "every lse element must be written"
