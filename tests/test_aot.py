@@ -51,10 +51,10 @@ def site(tmp_path_factory) -> Path:
     _require_toolchain()
     tmp = tmp_path_factory.mktemp("aot")
     run_checked(sys.executable, "-m", "pip", "wheel", ROOT, "--no-build-isolation", "--no-deps", "-q",
-         "-w", tmp / "wheel", env={**os.environ, "COSA_AOT_KERNELS": "1"})
+                "-w", tmp / "wheel", env={**os.environ, "COSA_AOT_KERNELS": "1"})
     (wheel,) = (tmp / "wheel").glob("cosa-*.whl")
     run_checked(sys.executable, "-m", "pip", "install", "--no-deps", "--no-compile", "-q", "--target",
-         tmp / "site", wheel)
+                tmp / "site", wheel)
     return tmp / "site"
 
 
@@ -63,7 +63,7 @@ def example(site) -> Path:
     """examples/cpp built against the installed wheel; returns the executable."""
     build = site.parent / "example"
     run_checked("cmake", "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={site / 'cosa'}",
-         "-DCMAKE_BUILD_TYPE=Release")
+                "-DCMAKE_BUILD_TYPE=Release")
     run_checked("cmake", "--build", build)
     return build / "attention_example"
 

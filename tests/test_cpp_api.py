@@ -23,7 +23,7 @@ def test_remap_example_against_installed_package(tmp_path):
     build = tmp_path / "build"
 
     run_checked(cmake, "-S", EXAMPLE, "-B", build, f"-DCMAKE_PREFIX_PATH={cosa.cmake_prefix_path()}",
-         "-DCMAKE_BUILD_TYPE=Release")
+                "-DCMAKE_BUILD_TYPE=Release")
     run_checked(cmake, "--build", build)
     output = run_checked(build / "remap_example")
 
