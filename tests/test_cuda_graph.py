@@ -63,8 +63,8 @@ def test_run_replays_in_a_cuda_graph_on_new_data(page_size):
     replayed, computed, skipped = out.clone(), plan.computed.clone(), plan.skipped.clone()
     eager = cosa.run(plan, q, cache)
 
-    assert not torch.equal(replayed, old), f"replay ignored the new data"
-    assert torch.equal(replayed, eager), f"replay differs from an eager run on the new data"
+    assert not torch.equal(replayed, old), "replay ignored the new data"
+    assert torch.equal(replayed, eager), "replay differs from an eager run on the new data"
     assert torch.equal(computed, plan.computed) and torch.equal(skipped, plan.skipped), \
-        f"replayed statistics differ from the eager run's"
-    assert int(skipped.sum()) > 0, f"stage 2 skipped nothing, so skipping went untested"
+        "replayed statistics differ from the eager run's"
+    assert int(skipped.sum()) > 0, "stage 2 skipped nothing, so skipping went untested"

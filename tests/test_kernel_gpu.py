@@ -309,7 +309,7 @@ def test_non_causal_equals_dense():
 
 
 def test_non_causal_ordered_skip_matches_reference():
-    # no causal mask: every key is visible, and the stage-2 tests see no masked block
+    # without the causal mask only keys past kv_len are masked: the skip rule sees whole blocks of keys
     stats = run_case(dtype=torch.float16, head_dim=64, page_size=32, layout="HND", group=4, q_lens=RAGGED_Q,
                      kv_lens=RAGGED_KV, budget=0.7, delta=0.5, causal=False, inputs=skewed_inputs)
     assert int(stats.skipped.sum()) > 0, "the inputs are built so that stage 2 skips some blocks"
