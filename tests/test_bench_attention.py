@@ -148,32 +148,66 @@ def test_fa4_block_sparse_row_counts_the_blocks_its_lists_hold_over_the_candidat
     row = bench_attention.fa4_block_sparse_row(seq, plan_, blocks)
 
     listed = int((plan_.order >= 0).sum())
-    assert row.computed == listed and row.flops == listed * bench_attention.BLOCK_FLOPS
+    assert row.computed == listed
+    assert row.flops == bench_attention.block_flops(listed, bench_attention.plan_diagonals(plan_))
     cosa.run(plan_, q, cache)
     assert row.density1 == row.density2 == pytest.approx(plan_.stats().density_stage1)
     assert 0 < row.density1 < 1
 
 
-@pytest.mark.parametrize("kernel_ms", [-0.01, 0.0, 0.25])
-def test_kernel_targets_take_the_run_less_the_proxy_and_give_none_without_a_positive_time(kernel_ms):
-    """Noise can leave a run no slower than its proxy; the kernel-only ratios then read n/a."""
+@pytest.mark.parametrize("same_mask", [True, False])
+def test_kernel_targets_take_the_kernel_row_on_fa4s_mask(same_mask):
+    """FA4 block-sparse against the kernel alone (neither runs a proxy), n/a where the two rows'
+    blocks differ; the whole run's ratio goes in the note."""
     seq, page, budget = 32768, 16, bench_attention.BUDGETS[0]
-    proxy_ms, peer_ms = random.uniform(0.05, 0.2), random.uniform(1.0, 2.0)
-    run_ms = proxy_ms + kernel_ms
-    rows = [Row(seq, None, bench_attention.FA4_DENSE, peer_ms),
-            Row(seq, page, bench_attention.PROXY, proxy_ms),
-            Row(seq, page, bench_attention.COSA_DENSE, run_ms),
-            Row(seq, None, bench_attention.fa4_block_sparse_name(budget), peer_ms),
-            Row(seq, page, bench_attention.cosa_name(budget, 0.0), run_ms)]
+    fa4_ms, dense_ms, kernel_ms = random.uniform(1.0, 2.0), random.uniform(4.0, 5.0), random.uniform(0.8, 2.2)
+    run_ms = kernel_ms + random.uniform(0.05, 0.2)
+    blocks = random.randrange(1000, 2000)
+    rows = [Row(seq, None, bench_attention.FA4_DENSE, dense_ms),
+            Row(seq, page, bench_attention.COSA_DENSE, 0.99 * dense_ms),
+            Row(seq, None, bench_attention.fa4_block_sparse_name(budget), fa4_ms, computed=blocks),
+            Row(seq, page, bench_attention.cosa_name(budget, 0.0), run_ms, computed=blocks),
+            Row(seq, page, bench_attention.cosa_kernel_name(budget), kernel_ms,
+                computed=blocks if same_mask else blocks + 1)]
     targets = {t.name: t for t in bench_attention.evaluate_targets(rows, [page]) if t.where == f"{seq} p{page}"}
-    dense = targets["cosa dense / fa4 dense speed"]
+    assert targets["cosa dense / fa4 dense speed"].ratio == pytest.approx(1 / 0.99)
     sparse = targets[f"cosa kernel / fa4 block-sparse b={budget} speed"]
-    assert dense.ratio == pytest.approx(peer_ms / run_ms)
-    if kernel_ms > 0:
-        assert sparse.ratio == pytest.approx(peer_ms / kernel_ms)
-        assert dense.note == f"kernel only {peer_ms / kernel_ms:.3f}"
+    if same_mask:
+        assert sparse.ratio == pytest.approx(fa4_ms / kernel_ms) and sparse.note == f"whole run {fa4_ms / run_ms:.3f}"
     else:
-        assert sparse.ratio is None and sparse.status == "n/a" and dense.note == ""
+        assert sparse.ratio is None and sparse.status == "n/a" and sparse.note.startswith("masks differ")
+
+
+@pytest.mark.parametrize("density2,counts", [(0.1, True), (0.1049, True), (0.106, False), (0.09, False)])
+def test_b2_target_counts_only_a_row_at_the_target_density(density2, counts):
+    dense_ms, b2_ms = random.uniform(150.0, 250.0), random.uniform(30.0, 50.0)
+    rows = [Row(131072, None, bench_attention.FA4_DENSE, dense_ms),
+            Row(131072, 128, bench_attention.COSA_B2, b2_ms, density2=density2)]
+    (target,) = [t for t in bench_attention.evaluate_targets(rows, [128]) if t.name.startswith("run b=")]
+    assert target.ratio == (pytest.approx(dense_ms / b2_ms) if counts else None)
+
+
+def test_skip_cost_ratio_needs_one_mask():
+    """The skip-all run must list the delta-0 run's blocks: otherwise no common block costs."""
+    full, forced, skip_all = rows_from_costs(0.3, 1e-4, 5e-5, random.Random())
+    skip_all.skipped -= 1
+    assert skip_cost_ratio(full, forced, skip_all) is None
+
+
+def test_block_flops_count_the_causal_pairs_of_a_dense_run():
+    """Every block of a causal seq x seq run, diagonals at 129/256, is the exact causal count."""
+    tiles = random.randrange(1, 2000)
+    seq, heads = tiles * bench_attention.BLOCK, bench_attention.NUM_QO_HEADS
+    blocks = tiles * (tiles + 1) // 2 * heads
+    flops = bench_attention.block_flops(blocks, tiles * heads)
+    assert flops == pytest.approx(bench_attention.dense_causal_flops(seq), rel=1e-12)
+
+
+def test_kernel_rows_take_no_proxy_share():
+    rows = [Row(8192, 128, bench_attention.PROXY, 0.04), Row(8192, 128, bench_attention.cosa_name(0.25, 0.0), 0.3),
+            Row(8192, 128, bench_attention.cosa_kernel_name(0.25), 0.26)]
+    bench_attention.finish_rows(rows)
+    assert rows[1].proxy_share == pytest.approx(0.04 / 0.3) and rows[2].proxy_share is None
 
 
 @pytest.mark.parametrize("per_call_ms,calls", [(0.3, 7), (2.0, 1), (50.0, 1), (0.01, 10)])
