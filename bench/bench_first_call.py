@@ -1,7 +1,7 @@
 """First-call latency of ``cosa.run``: the KAP and OSK kernels compiled on first use (JIT) against
 those exported ahead of time into libcosa (AOT), each in fresh Python processes.
 
-    python bench/bench_first_call.py [--seq-len 8192] [--repeats 3] [--json out.json]
+    python bench/bench_first_call.py [--seq-len 8192] [--repeats 4] [--json out.json]
 
 Each process imports torch and cosa (``import``), makes the inputs and the CUDA context
 (untimed), then times ``cosa.plan`` (``plan``; it imports the CuTe DSL) and the first
@@ -30,7 +30,8 @@ GRAPH_CALLS = 10   # runs per CUDA-graph replay in ``graph ms``
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=8192, help="q_len = kv_len of the one request")
-    parser.add_argument("--repeats", type=int, default=3, help="processes per mode (interleaved)")
+    parser.add_argument("--repeats", type=int, default=4,
+                        help="processes per mode, interleaved; each mode goes first in every other repeat")
     parser.add_argument("--steady", type=int, default=20, help="calls timed after 3 warm-up calls")
     parser.add_argument("--json", help="also write the per-process results and medians here")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # one measuring process
@@ -122,7 +123,8 @@ def main(argv=None) -> int:
         return 0
     runs = []
     for repeat in range(args.repeats):
-        for mode in MODES:
+        # the run's first process pays cold imports (disk, page cache): each mode goes first in turn
+        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
             runs.append(run_process(mode, args))
             r = runs[-1]
             print(f"[{repeat + 1}/{args.repeats}] {mode}: kernel {r['kernel']}, first call "
