@@ -15,11 +15,13 @@ import dataclasses
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -693,13 +695,34 @@ def parse_args(argv=None):
     return args
 
 
+def provenance() -> dict:
+    """What a benchmark's JSON records of the code and machine that measured it: the checkout's
+    commit (None outside a git checkout), the GPU, torch, CUDA, the CuTe DSL and cosa, and where
+    the OSK kernel comes from (``aot``: libcosa's export, ``jit``: compiled at first use)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from cosa.cute_kernels.aot import kernel_source
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
+                                capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        commit = None
+    try:
+        dsl = version("nvidia-cutlass-dsl")
+    except PackageNotFoundError:
+        dsl = None
+    return {"git_commit": commit, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cutlass_dsl": dsl, "cosa": cosa.__version__,
+            "osk_kernel": kernel_source("osk", "bfloat16", HEAD_DIM).kind,
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def write_json(path: str, runner: Runner, targets: list[Target]) -> None:
     report = {
-        "config": {**vars(runner.args), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                   "cuda": torch.version.cuda, "flash_attn_4": runner.fa4_version,
-                   "cosa": cosa.__version__, "cosa_uses_kernel": runner.uses_kernel,
-                   "heads": [NUM_QO_HEADS, NUM_KV_HEADS], "head_dim": HEAD_DIM, "dtype": str(DTYPE),
-                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+        "config": {**vars(runner.args), **provenance(), "flash_attn_4": runner.fa4_version,
+                   "cosa_uses_kernel": runner.uses_kernel,
+                   "heads": [NUM_QO_HEADS, NUM_KV_HEADS], "head_dim": HEAD_DIM, "dtype": str(DTYPE)},
         "calibration": runner.calibration,
         "rows": [dataclasses.asdict(r) for r in runner.rows],
         "targets": [dict(dataclasses.asdict(t), status=t.status) for t in targets],

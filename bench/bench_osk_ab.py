@@ -53,7 +53,7 @@ from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_attention import (B2, B2_BUDGET, BUDGETS, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
-                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, replayed,
+                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, provenance, replayed,
                              skip_cost_ratio, time_samples)
 from sass_report import load_variant  # noqa: E402
 
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
                 results += group
                 torch.cuda.empty_cache()
     if args.json:
-        config = dict(vars(args), device=torch.cuda.get_device_name(), torch=torch.__version__)
+        config = dict(vars(args), **provenance())
         Path(args.json).write_text(json.dumps(
             {"config": config, "results": [dict(dataclasses.asdict(r), ratio=r.ratio) for r in results]}, indent=1))
     return 0

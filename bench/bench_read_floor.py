@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import DTYPE, HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, GraphCall, time_samples  # noqa: E402
+from bench_attention import (DTYPE, HEAD_DIM, NUM_KV_HEADS, NUM_QO_HEADS, GraphCall, provenance,  # noqa: E402
+                             time_samples)
 
 THREADS = 256
 LOADS = 8                 # 16-byte loads a thread issues before it sums
@@ -136,7 +137,8 @@ def main(argv=None) -> int:
     rows = measure(args.seq_lens, args.rounds, args.repeats, args.settle)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            [dict(asdict(row), terabytes_per_s=row.terabytes_per_s) for row in rows], indent=1))
+            {"config": dict(vars(args), **provenance()),
+             "rows": [dict(asdict(row), terabytes_per_s=row.terabytes_per_s) for row in rows]}, indent=1))
     return 0
 
 

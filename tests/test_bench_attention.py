@@ -203,6 +203,18 @@ def test_block_flops_count_the_causal_pairs_of_a_dense_run():
     assert flops == pytest.approx(bench_attention.dense_causal_flops(seq), rel=1e-12)
 
 
+def test_provenance_names_the_commit_and_where_the_kernel_comes_from():
+    import subprocess
+    from pathlib import Path
+
+    record = bench_attention.provenance()
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                          text=True)
+    assert record["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert record["osk_kernel"] in ("aot", "jit") and record["torch"] == torch.__version__
+    assert record["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+
+
 def test_kernel_rows_take_no_proxy_share():
     rows = [Row(8192, 128, bench_attention.PROXY, 0.04), Row(8192, 128, bench_attention.cosa_name(0.25, 0.0), 0.3),
             Row(8192, 128, bench_attention.cosa_kernel_name(0.25), 0.26)]
