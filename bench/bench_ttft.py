@@ -1,7 +1,7 @@
 """Time to first token of a Qwen3-8B-shaped model at long prompts: dense attention against CoSA.
 
     python bench/bench_ttft.py [--seq-lens 32768 65536 131072] [--attention fa4 sdpa cosa]
-                               [--budget 0.25] [--delta 0.05] [--page-size 128] [--repeats 3]
+                               [--budget 0.25] [--delta 0.05] [--page-size 128] [--repeats 5]
                                [--json ttft.json]
     python bench/bench_ttft.py --quick                 # GPU smoke run: 2 layers, 4K
     python bench/bench_ttft.py --device cpu --quick    # tiny model on the CPU (cosa's reference path)
@@ -415,7 +415,7 @@ def parse_args(argv=None):
     parser.add_argument("--delta", type=float, default=0.05, help="CoSA's stage-2 delta (0: no skipping)")
     parser.add_argument("--page-size", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=1, help="untimed forwards per row")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per row, median reported")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forwards per row, median reported")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 2 layers at 4K on the GPU; on the CPU a tiny model at 512")
