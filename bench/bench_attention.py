@@ -697,8 +697,9 @@ def parse_args(argv=None):
 
 def provenance() -> dict:
     """What a benchmark's JSON records of the code and machine that measured it: the checkout's
-    commit (None outside a git checkout), the GPU, torch, CUDA, the CuTe DSL and cosa, and where
-    the OSK kernel comes from (``aot``: libcosa's export, ``jit``: compiled at first use)."""
+    commit (None outside a git checkout), the GPU, torch, CUDA, cuDNN (the SDPA peer's), the CuTe
+    DSL and cosa, and where the OSK kernel comes from (``aot``: libcosa's export, ``jit``: compiled
+    at first use)."""
     from importlib.metadata import PackageNotFoundError, version
 
     from cosa.cute_kernels.aot import kernel_source
@@ -713,7 +714,8 @@ def provenance() -> dict:
     except PackageNotFoundError:
         dsl = None
     return {"git_commit": commit, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cutlass_dsl": dsl, "cosa": cosa.__version__,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "cutlass_dsl": dsl, "cosa": cosa.__version__,
             "osk_kernel": kernel_source("osk", "bfloat16", HEAD_DIM).kind,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
