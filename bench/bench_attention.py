@@ -60,9 +60,12 @@ def cosa_name(budget: float, delta: float) -> str:
     return f"cosa b={budget} d={delta:g}"
 
 
+KERNEL_ROW = "cosa kernel"   # rows of the kernel alone: they run no proxy
+
+
 def cosa_kernel_name(budget: float) -> str:
     """The kernel alone on the stage-1 mask of budget ``budget`` (delta 0), timed without the proxy."""
-    return f"cosa kernel b={budget} d=0"
+    return f"{KERNEL_ROW} b={budget} d=0"
 
 
 def cosa_rows(b2_delta: float | None) -> dict[str, tuple[float, float | None]]:
@@ -127,8 +130,8 @@ def finish_rows(rows: list[Row]) -> None:
         if row.seq in best and row.name != PROXY:
             row.speedup = best[row.seq] / row.ms
         proxy_ms = proxy.get((row.seq, row.page))
-        if proxy_ms is not None and row.name.startswith("cosa") and not row.name.startswith("cosa kernel"):
-            row.proxy_share = proxy_ms / row.ms   # of a whole run: the kernel rows have no proxy
+        if proxy_ms is not None and row.name.startswith("cosa") and not row.name.startswith(KERNEL_ROW):
+            row.proxy_share = proxy_ms / row.ms   # of a whole run
         elif proxy_ms is not None and row.name == PROXY and row.seq in best:
             row.proxy_share = proxy_ms / best[row.seq]
 
