@@ -10,9 +10,9 @@ version is compiled from its file (``COSA_DISABLE_AOT`` is set), even where libc
 kernels, whose exported OSK would otherwise stand in for both.
 
 Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
-stage 2 at budget 0.25 (delta 0, forced-only, skip-all, b2 = 0.10 with its calibrated delta,
-delta 0.05), and budget 0.1 at delta 0 (the other block-sparse target's mask). Each row is one
-plan. A version runs it as ``cosa.run`` with the plan's kernel swapped for the version's
+budgets 0.25 and 0.1, each at delta 0 (the block-sparse target's masks) and skip-all (with them, the
+skip-cost fit's four), then stage 2 at budget 0.25 (b2 = 0.10 with its calibrated delta, delta
+0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel swapped for the version's
 ``osk_forward`` on the plan's tables (``bound``: every version takes them so; each call
 re-checks the plan, the same host work for both, which the default lengths hide under the
 GPU's), so a row's time includes the proxy, as in ``bench_attention.py``, and the skip-cost fit
@@ -52,15 +52,17 @@ import cosa
 from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (B2, B2_BUDGET, BUDGETS, COSA_B2, COSA_DENSE, COSA_FORCED, COSA_SKIP_ALL,  # noqa: E402
-                             DTYPE, NUM_KV_HEADS, NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, provenance, replayed,
-                             skip_cost_ratio, time_samples)
+from bench_attention import (B2, B2_BUDGET, BUDGETS, COSA_B2, COSA_DENSE, DTYPE, NUM_KV_HEADS,  # noqa: E402
+                             NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, provenance, replayed, skip_all_name,
+                             skip_cost, time_samples)
 from sass_report import load_variant  # noqa: E402
 
 VERSIONS = ("base", "new")
-COSA_D0, COSA_D05 = cosa_name(B2_BUDGET, 0.0), cosa_name(B2_BUDGET, 0.05)
-COSA_SPARSER_D0 = cosa_name(min(BUDGETS), 0.0)
-ROWS = (COSA_DENSE, COSA_D0, COSA_FORCED, COSA_SKIP_ALL, COSA_B2, COSA_D05, COSA_SPARSER_D0)  # of bench_attention.py's
+MASKS = sorted(BUDGETS, reverse=True)   # the skip-cost fit's two, the wider first
+COSA_D05 = cosa_name(B2_BUDGET, 0.05)
+DELTA0 = tuple(cosa_name(budget, 0.0) for budget in MASKS)
+SKIP_ALL = tuple(skip_all_name(budget) for budget in MASKS)
+ROWS = (COSA_DENSE, *DELTA0, *SKIP_ALL, COSA_B2, COSA_D05)  # of bench_attention.py's
 
 
 def compare(base: tuple[torch.Tensor, ...], new: tuple[torch.Tensor, ...]) -> str:
@@ -96,12 +98,14 @@ class Result:
 def skip_costs(results: list[Result]) -> dict[str, float | None]:
     """Each version's skipped / computed block cost, fitted as bench_attention.py's target does."""
     by_name = {r.name: r for r in results}
-    if not all(name in by_name for name in (COSA_D0, COSA_FORCED, COSA_SKIP_ALL)):
+    if not all(name in by_name for name in DELTA0 + SKIP_ALL):
         return {version: None for version in VERSIONS}
-    return {version: skip_cost_ratio(*(Row(r.seq, r.page, r.name, r.ms[version], computed=r.computed[version],
-                                           skipped=r.skipped[version])
-                                       for r in (by_name[COSA_D0], by_name[COSA_FORCED], by_name[COSA_SKIP_ALL])))
-            for version in VERSIONS}
+
+    def rows(version, names):
+        return [Row(r.seq, r.page, r.name, r.ms[version], computed=r.computed[version], skipped=r.skipped[version])
+                for r in (by_name[name] for name in names)]
+    costs = {version: skip_cost(rows(version, DELTA0), rows(version, SKIP_ALL)) for version in VERSIONS}
+    return {version: cost and cost.ratio for version, cost in costs.items()}
 
 
 def bound(osk_forward, plan: cosa.Plan):

@@ -10,37 +10,46 @@ import pytest
 import torch
 
 import bench_attention
-from bench_attention import Row, skip_cost_ratio
+from bench_attention import Row
 
 
-def rows_from_costs(fixed: float, computed_cost: float, skipped_cost: float, rng: random.Random):
-    """The three runs skip_cost_ratio fits, timed exactly by t = fixed + c*computed + s*skipped."""
-    selected = rng.randrange(10_000, 100_000)
-    forced = rng.randrange(100, selected // 4)
-    first = rng.randrange(50, forced)
+def rows_from_costs(fixed: float, vote: float, computed_cost: float, skipped_cost: float, rng: random.Random):
+    """The four runs skip_cost fits, the delta-0 pair of two masks (wider first) and their skip-all
+    pair, timed exactly by t = fixed + c*computed + s*skipped, plus ``vote`` in the skip-all runs
+    (the vote path's fixed cost)."""
+    narrow = rng.randrange(10_000, 50_000)
+    wide = narrow + rng.randrange(1_000, 50_000)
+    first = rng.randrange(50, 5_000)    # blocks visited first: one per tile, the same in both masks
 
-    def row(name, computed, skipped):
-        return Row(32768, 128, name, fixed + computed_cost * computed + skipped_cost * skipped,
+    def row(budget, skip_all, computed, skipped):
+        name = bench_attention.skip_all_name(budget) if skip_all else bench_attention.cosa_name(budget, 0.0)
+        return Row(32768, 128, name, fixed + vote * skip_all + computed_cost * computed + skipped_cost * skipped,
                    computed=computed, skipped=skipped)
 
-    return (row(bench_attention.cosa_name(0.25, 0.0), selected, 0),
-            row(bench_attention.COSA_FORCED, forced, 0),
-            row(bench_attention.COSA_SKIP_ALL, first, selected - first))
+    delta0 = (row(0.25, False, wide, 0), row(0.1, False, narrow, 0))
+    skip_all = (row(0.25, True, first, wide - first), row(0.1, True, first, narrow - first))
+    return delta0, skip_all
 
 
-def test_skip_cost_ratio_recovers_the_per_block_costs():
+def test_skip_cost_recovers_the_per_block_costs_whatever_the_fixed_costs():
     rng = random.Random()
-    fixed, c = rng.uniform(0.0, 5.0), rng.uniform(1e-5, 1e-3)
+    fixed, vote, c = rng.uniform(0.0, 5.0), rng.uniform(0.0, 0.5), rng.uniform(1e-5, 1e-3)
     s = c * rng.uniform(0.05, 1.5)
-    assert skip_cost_ratio(*rows_from_costs(fixed, c, s, rng)) == pytest.approx(s / c, rel=1e-6)
+    delta0, skip_all = rows_from_costs(fixed, vote, c, s, rng)
+    cost = bench_attention.skip_cost(delta0, skip_all)
+    assert cost.ratio == pytest.approx(s / c, rel=1e-6)
+    assert cost.charged == pytest.approx(s / c + vote / (c * skip_all[0].skipped), rel=1e-6)
+    # the target reads the fit from the table's rows
+    (target,) = [t for t in bench_attention.evaluate_targets(list(delta0 + skip_all), [128])
+                 if t.name == "skipped / computed block cost"]
+    assert target.ratio == pytest.approx(s / c, rel=1e-6) and f"{cost.charged:.3f}" in target.note
 
 
 @pytest.mark.parametrize("computed_cost,skipped_cost", [(1e-4, -2e-5), (-1e-4, 2e-5), (0.0, 1e-5)])
-def test_skip_cost_ratio_is_none_without_positive_costs(computed_cost, skipped_cost):
+def test_skip_cost_is_none_without_positive_costs(computed_cost, skipped_cost):
     """At 8K the fit can give a negative cost (fixed costs and noise dominate): no ratio, rather
     than one that passes the target."""
-    rows = rows_from_costs(0.3, computed_cost, skipped_cost, random.Random())
-    assert skip_cost_ratio(*rows) is None
+    assert bench_attention.skip_cost(*rows_from_costs(0.3, 0.1, computed_cost, skipped_cost, random.Random())) is None
 
 
 def timed_group(rng: random.Random):
@@ -120,12 +129,13 @@ def test_cosa_rows_give_every_row_its_budget_and_delta_once():
     rows = bench_attention.cosa_rows(b2_delta)
     grid = [(budget, delta) for budget in bench_attention.BUDGETS for delta in bench_attention.DELTAS]
     assert list(rows) == ([bench_attention.COSA_DENSE] + [bench_attention.cosa_name(*bd) for bd in grid]
-                          + [bench_attention.COSA_B2, bench_attention.COSA_SKIP_ALL, bench_attention.COSA_FORCED])
+                          + [bench_attention.COSA_B2]
+                          + [bench_attention.skip_all_name(budget) for budget in bench_attention.BUDGETS])
     assert rows[bench_attention.COSA_DENSE] == (1.0, 0.0)
     assert all(rows[bench_attention.cosa_name(*bd)] == bd for bd in grid)
     assert rows[bench_attention.COSA_B2] == (bench_attention.B2_BUDGET, b2_delta)
-    assert rows[bench_attention.COSA_SKIP_ALL] == (bench_attention.B2_BUDGET, bench_attention.SKIP_ALL_DELTA)
-    assert rows[bench_attention.COSA_FORCED] == (bench_attention.FORCED_ONLY_BUDGET, 0.0)
+    assert all(rows[bench_attention.skip_all_name(budget)] == (budget, bench_attention.SKIP_ALL_DELTA)
+               for budget in bench_attention.BUDGETS)
     assert bench_attention.cosa_rows(None)[bench_attention.COSA_B2] == (bench_attention.B2_BUDGET, None)
 
 
@@ -187,11 +197,17 @@ def test_b2_target_counts_only_a_row_at_the_target_density(density2, counts):
     assert target.ratio == (pytest.approx(dense_ms / b2_ms) if counts else None)
 
 
-def test_skip_cost_ratio_needs_one_mask():
-    """The skip-all run must list the delta-0 run's blocks: otherwise no common block costs."""
-    full, forced, skip_all = rows_from_costs(0.3, 1e-4, 5e-5, random.Random())
-    skip_all.skipped -= 1
-    assert skip_cost_ratio(full, forced, skip_all) is None
+@pytest.mark.parametrize("which", [0, 1])
+def test_skip_cost_needs_each_skip_all_run_on_its_delta0_mask(which):
+    """A skip-all run must list its delta-0 run's blocks: otherwise no common block costs."""
+    delta0, skip_all = rows_from_costs(0.3, 0.1, 1e-4, 5e-5, random.Random())
+    skip_all[which].skipped -= 1
+    assert bench_attention.skip_cost(delta0, skip_all) is None
+
+
+def test_skip_cost_needs_the_wider_mask_first():
+    delta0, skip_all = rows_from_costs(0.3, 0.1, 1e-4, 5e-5, random.Random())
+    assert bench_attention.skip_cost(delta0[::-1], skip_all[::-1]) is None
 
 
 def test_block_flops_count_the_causal_pairs_of_a_dense_run():

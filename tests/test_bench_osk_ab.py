@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import bench_osk_ab
-from bench_osk_ab import COSA_D0, COSA_FORCED, COSA_SKIP_ALL, Result, compare, skip_costs
+from bench_osk_ab import DELTA0, SKIP_ALL, Result, compare, skip_costs
 
 
 def outputs(rows: int) -> tuple[torch.Tensor, ...]:
@@ -57,10 +57,11 @@ def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
     (a version that changes the skip rule computes other blocks), give back s / c for each."""
     rng = random.Random()
 
-    def version_counts():   # skip-all lists the delta-0 run's blocks, as one mask does
-        listed, first = 50_000 + rng.randrange(1000), 1000 + rng.randrange(500)
-        return {COSA_D0: (listed, 0), COSA_FORCED: (4000 + rng.randrange(100), 0),
-                COSA_SKIP_ALL: (first, listed - first)}
+    def version_counts():   # each skip-all run lists its delta-0 run's blocks, as one mask does
+        narrow, first = 20_000 + rng.randrange(1000), 1000 + rng.randrange(500)
+        wide = narrow + 30_000 + rng.randrange(1000)
+        return {DELTA0[0]: (wide, 0), DELTA0[1]: (narrow, 0),
+                SKIP_ALL[0]: (first, wide - first), SKIP_ALL[1]: (first, narrow - first)}
     counts = {version: version_counts() for version in bench_osk_ab.VERSIONS}
     model = {version: (rng.uniform(0.1, 2.0), rng.uniform(1e-5, 1e-4), rng.uniform(0.2, 0.9))
              for version in bench_osk_ab.VERSIONS}   # o, c, s / c
@@ -73,11 +74,11 @@ def test_skip_costs_fit_each_version_as_the_benchmark_target_does():
         return o + c * computed + ratio * c * skipped
     results = [Result(32768, 128, 128, name, by_version(name, lambda v, c, s: c), by_version(name, lambda v, c, s: s),
                       "differs", by_version(name, time))
-               for name in (COSA_D0, COSA_FORCED, COSA_SKIP_ALL)]
+               for name in DELTA0 + SKIP_ALL]
     costs = skip_costs(results)
     for version, (_, _, ratio) in model.items():
         assert costs[version] == pytest.approx(ratio, rel=1e-9)
-    assert skip_costs(results[:2]) == {version: None for version in bench_osk_ab.VERSIONS}
+    assert skip_costs(results[:3]) == {version: None for version in bench_osk_ab.VERSIONS}
 
 
 LENGTHS = "sequence lengths must be positive multiples of"
@@ -120,7 +121,7 @@ def test_each_version_is_compiled_from_its_file(monkeypatch):
 def test_its_rows_are_bench_attentions_with_their_settings():
     settings = bench_osk_ab.cosa_rows(random.uniform(1e-3, 1e3))
     assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
-    assert {COSA_D0, COSA_FORCED, COSA_SKIP_ALL} <= set(bench_osk_ab.ROWS)   # the skip-cost fit's three
+    assert set(DELTA0 + SKIP_ALL) <= set(bench_osk_ab.ROWS)   # the skip-cost fit's four
     # and both masks the block-sparse target compares at delta 0
     assert {bench_osk_ab.cosa_name(budget, 0.0) for budget in bench_osk_ab.BUDGETS} <= set(bench_osk_ab.ROWS)
 
