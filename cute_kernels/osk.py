@@ -1645,13 +1645,11 @@ def _check_tiles_have_blocks(who: str, qtiles, order, block_pages) -> None:
 
 
 def _check_flags(who: str, **flags) -> None:
-    """Each of ``flags`` a bool (numpy's included): a kernel takes them as 0 or 1, and a string
-    such as "False" would be true."""
-    import numpy as np
+    """Each of ``flags`` a bool: a kernel takes them as 0 or 1."""
+    from ..checks import check_bool
 
     for name, flag in flags.items():
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{who}: {name} must be a bool, got {flag!r}")
+        check_bool(f"{who}: {name}", flag)
 
 
 def _check_shapes(who: str, expected: dict) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from . import _C
 from .blocks import num_blocks
-from .checks import as_float, byte_span, check_apart, check_int, check_tensor
+from .checks import as_float, byte_span, check_apart, check_bool, check_int, check_tensor
 from .paged import cache_geometry, check_kv_layout, gather_pages, split_kv_cache
 from .proxy import check_proxy, proxy_order
 from .reference import ordered_skip_attention
@@ -231,7 +231,7 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
                         q_data_type, kv_data_type, kv_layout, proxy, causal, force_local, force_sink) -> tuple:
     """Checks plan's scalar arguments (the page table's content and budget's range are the C++
     layer's); returns ``(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta,
-    sm_scale)`` as ints and floats."""
+    sm_scale, causal, force_local, force_sink)`` as ints, floats and bools."""
     check_kv_layout(kv_layout)
     check_proxy(proxy)
     num_qo_heads = check_int("num_qo_heads", num_qo_heads)
@@ -245,11 +245,10 @@ def _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget,
             raise TypeError(f"{name} must be one of {SUPPORTED_DTYPES}, got {dtype}")
     budget = as_float("budget", budget)
     delta = _check_delta("delta", delta)
-    for name, flag in (("causal", causal), ("force_local", force_local), ("force_sink", force_sink)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    causal, force_local, force_sink = (check_bool("causal", causal), check_bool("force_local", force_local),
+                                       check_bool("force_sink", force_sink))
     sm_scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else _check_sm_scale("sm_scale", sm_scale)
-    return num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale
+    return num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale, causal, force_local, force_sink
 
 
 # delta and sm_scale are checked by plan and, since a Plan's may be replaced, by each run
@@ -295,10 +294,9 @@ def plan(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Ten
     (``resize_``) while they live, as the kernels keep the addresses it had.
     """
     kv_data_type = kv_data_type or q_data_type
-    num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale = _check_plan_options(
-        num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale, q_data_type,
-        kv_data_type, kv_layout, proxy, causal, force_local, force_sink)
-    causal, force_local, force_sink = bool(causal), bool(force_local), bool(force_sink)   # numpy's too
+    (num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale, causal, force_local,
+     force_sink) = _check_plan_options(num_qo_heads, num_kv_heads, head_dim, page_size, budget, delta, sm_scale,
+                                       q_data_type, kv_data_type, kv_layout, proxy, causal, force_local, force_sink)
     _check_index_tensor("kv_indices", kv_indices)
     device = kv_indices.device if workspace is None else check_workspace(workspace).device
     for name, x in (("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
@@ -500,8 +498,7 @@ def run(plan: Plan, q: torch.Tensor, paged_kv_cache, *, out: torch.Tensor | None
     plan's launches on its tables and buffers: keep the plan alive while the graph may
     replay, and capture again after re-planning a wrapper or a workspace.
     """
-    if not isinstance(return_lse, (bool, np.bool_)):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    check_bool("return_lse", return_lse)
     k_cache, v_cache = _check_run_args(plan, q, paged_kv_cache, out, lse)
     if out is None:
         out = torch.empty_like(q)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import numbers
 
+import numpy as np
 import torch
 
 
@@ -20,6 +21,14 @@ def check_int(name: str, x, minimum: int = 1, maximum: int = INT32_MAX) -> int:
     if x > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {x}")
     return int(x)
+
+
+def check_bool(name: str, x) -> bool:
+    """``x`` as a bool, if it is one (numpy's included): a flag passed on as 0 or 1 must not be
+    a string such as "False", which would be true."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    return bool(x)
 
 
 def as_float(name: str, x) -> float:
