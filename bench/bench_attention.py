@@ -716,18 +716,26 @@ def parse_args(argv=None):
     return args
 
 
-def provenance() -> dict:
-    """What a benchmark's JSON records of the code and machine that measured it: the checkout's
-    commit (None outside a git checkout), the GPU, torch, CUDA, cuDNN (the SDPA peer's), the CuTe
-    DSL and cosa, and where the OSK kernel comes from (``aot``: libcosa's export, ``jit``: compiled
-    at first use)."""
-    from importlib.metadata import PackageNotFoundError, version
+def git_checkout(directory: Path) -> tuple[str | None, bool | None]:
+    """The commit checked out at ``directory``, and whether tracked files differ from it (the code
+    measured is then not that commit's); ``(None, None)`` outside a git checkout."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=directory, capture_output=True, text=True, check=True).stdout
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent,
-                                capture_output=True, text=True, check=True).stdout.strip()
+        return git("rev-parse", "HEAD").strip(), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        commit = None
+        return None, None
+
+
+def provenance() -> dict:
+    """What a benchmark's JSON records of the code and machine that measured it: the checkout's
+    commit and whether its tracked files were changed (None outside a git checkout), the GPU,
+    torch, CUDA, cuDNN (the SDPA peer's), the CuTe DSL and cosa, and where the OSK kernel comes
+    from (``aot``: libcosa's export, ``jit``: compiled at first use)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    commit, changed = git_checkout(Path(__file__).resolve().parent)
     try:
         dsl = version("nvidia-cutlass-dsl")
     except PackageNotFoundError:
@@ -737,7 +745,7 @@ def provenance() -> dict:
         osk_kernel = kernel_source("osk", "bfloat16", HEAD_DIM).kind
     except Exception as error:  # noqa: BLE001
         osk_kernel = f"unknown ({type(error).__name__})"
-    return {"git_commit": commit, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    return {"git_commit": commit, "git_changed": changed, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "cutlass_dsl": dsl, "cosa": cosa.__version__,
             "osk_kernel": osk_kernel,

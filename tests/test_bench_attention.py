@@ -219,14 +219,30 @@ def test_block_flops_count_the_causal_pairs_of_a_dense_run():
     assert flops == pytest.approx(bench_attention.dense_causal_flops(seq), rel=1e-12)
 
 
-def test_provenance_names_the_commit_and_where_the_kernel_comes_from():
+def test_git_checkout_names_the_commit_and_whether_tracked_files_changed(tmp_path):
     import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
+                              capture_output=True, text=True, check=True).stdout.strip()
+    assert bench_attention.git_checkout(tmp_path) == (None, None)
+    git("init", "-q")
+    (tmp_path / "kernel.py").write_text(str(random.random()))
+    git("add", "kernel.py")
+    git("commit", "-qm", "a")
+    head = git("rev-parse", "HEAD")
+    (tmp_path / "untracked.txt").write_text("not part of the code measured")
+    assert bench_attention.git_checkout(tmp_path) == (head, False)
+    (tmp_path / "kernel.py").write_text("changed")
+    assert bench_attention.git_checkout(tmp_path) == (head, True)
+
+
+def test_provenance_names_the_commit_and_where_the_kernel_comes_from():
     from pathlib import Path
 
     record = bench_attention.provenance()
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                          text=True)
-    assert record["git_commit"] == (head.stdout.strip() if head.returncode == 0 else None)
+    assert (record["git_commit"], record["git_changed"]) == \
+        bench_attention.git_checkout(Path(bench_attention.__file__).resolve().parent)
     assert record["osk_kernel"] in ("aot", "jit") and record["torch"] == torch.__version__
     assert record["device"] == (torch.cuda.get_device_name() if torch.cuda.is_available() else None)
 
