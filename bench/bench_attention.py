@@ -35,6 +35,7 @@ DTYPE = torch.bfloat16
 BLOCK = 128
 BLOCK_FLOPS = 4 * BLOCK * BLOCK * HEAD_DIM        # QK^T and PV of one 128x128 block, one head
 BUDGETS = (0.25, 0.1)
+SKIP_FIT_BUDGETS = tuple(sorted(BUDGETS, reverse=True))   # the skip-cost fit's two masks, the wider first
 DELTAS = (0.0, 0.05)
 B2 = 0.10                  # stage-2 density of the calibrated row (the paper's b2)
 B2_TOLERANCE = 0.005       # how far from B2 the timed row's density may be for its target to count
@@ -197,11 +198,10 @@ def evaluate_targets(rows: list[Row], page_sizes) -> list[Target]:
                     ratio, note = None, f"block counts differ: {kernel.computed} against fa4's {peer.computed}"
                 targets.append(Target(f"cosa kernel / fa4 block-sparse b={budget} speed", f"{seq} p{page}",
                                       ratio, 1.0, True, note))
-    masks = sorted(BUDGETS, reverse=True)   # the wider mask first
     for seq in seqs:
         for page in page_sizes:
-            delta0 = [find(rows, seq, page, cosa_name(budget, 0.0)) for budget in masks]
-            skip_all = [find(rows, seq, page, skip_all_name(budget)) for budget in masks]
+            delta0 = [find(rows, seq, page, cosa_name(budget, 0.0)) for budget in SKIP_FIT_BUDGETS]
+            skip_all = [find(rows, seq, page, skip_all_name(budget)) for budget in SKIP_FIT_BUDGETS]
             cost = skip_cost(delta0, skip_all) if all(delta0 + skip_all) else None
             targets.append(Target("skipped / computed block cost", f"{seq} p{page}", cost and cost.ratio, 0.5,
                                   False, f"fixed costs charged to skipped blocks {cost.charged:.3f}" if cost else ""))
@@ -745,8 +745,8 @@ def provenance() -> dict:
         osk_kernel = kernel_source("osk", "bfloat16", HEAD_DIM).kind
     except Exception as error:  # noqa: BLE001
         osk_kernel = f"unknown ({type(error).__name__})"
-    return {"git_commit": commit, "git_changed": changed, "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+    return {"git_commit": commit, "git_changed": changed,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "cutlass_dsl": dsl, "cosa": cosa.__version__,
             "osk_kernel": osk_kernel,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -10,14 +10,14 @@ version is compiled from its file (``COSA_DISABLE_AOT`` is set), even where libc
 kernels, whose exported OSK would otherwise stand in for both.
 
 Rows, per sequence length and page size: ``cosa dense``, then ``bench_attention.py``'s rows for
-budgets 0.25 and 0.1, each at delta 0 (the block-sparse target's masks) and skip-all (with them, the
-skip-cost fit's four), then stage 2 at budget 0.25 (b2 = 0.10 with its calibrated delta, delta
-0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel swapped for the version's
-``osk_forward`` on the plan's tables (``bound``: every version takes them so; each call
-re-checks the plan, the same host work for both, which the default lengths hide under the
-GPU's), so a row's time includes the proxy, as in ``bench_attention.py``, and the skip-cost fit
-is the one that benchmark's target uses, each version's with its own block counts (the table
-shows the new version's). Where calibration cannot reach b2 on the input, that row is left out.
+budgets 0.25 and 0.1, each at delta 0 (the block-sparse target's masks) and skip-all (with them,
+the skip-cost fit's four), then stage 2 at budget 0.25 (b2 = 0.10 with its calibrated delta,
+delta 0.05). Each row is one plan. A version runs it as ``cosa.run`` with the plan's kernel
+swapped for the version's ``osk_forward`` on the plan's tables (``bound``: every version takes
+them so; each call re-checks the plan, the same host work for both, which the default lengths
+hide under the GPU's), so a row's time includes the proxy, as in ``bench_attention.py``, and the
+skip-cost fit is the one that benchmark's target uses, each version's with its own block counts
+(the table shows the new version's). Where calibration cannot reach b2 on the input, that row is left out.
 
 Checks. Each version's first call writes into outputs poisoned with NaN (o, lse) and -1 (the
 counts). The ``bitwise`` column then reads ``equal``, ``differs``, or ``unwritten`` (poison left).
@@ -52,16 +52,15 @@ import cosa
 from cosa.synthetic import structured_qkv
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import (B2, B2_BUDGET, BUDGETS, COSA_B2, COSA_DENSE, DTYPE, NUM_KV_HEADS,  # noqa: E402
-                             NUM_QO_HEADS, Paged, Row, cosa_name, cosa_rows, provenance, replayed, skip_all_name,
+from bench_attention import (B2, B2_BUDGET, COSA_B2, COSA_DENSE, DTYPE, NUM_KV_HEADS, NUM_QO_HEADS,  # noqa: E402
+                             SKIP_FIT_BUDGETS, Paged, Row, cosa_name, cosa_rows, provenance, replayed, skip_all_name,
                              skip_cost, time_samples)
 from sass_report import load_variant  # noqa: E402
 
 VERSIONS = ("base", "new")
-MASKS = sorted(BUDGETS, reverse=True)   # the skip-cost fit's two, the wider first
 COSA_D05 = cosa_name(B2_BUDGET, 0.05)
-DELTA0 = tuple(cosa_name(budget, 0.0) for budget in MASKS)
-SKIP_ALL = tuple(skip_all_name(budget) for budget in MASKS)
+DELTA0 = tuple(cosa_name(budget, 0.0) for budget in SKIP_FIT_BUDGETS)
+SKIP_ALL = tuple(skip_all_name(budget) for budget in SKIP_FIT_BUDGETS)
 ROWS = (COSA_DENSE, *DELTA0, *SKIP_ALL, COSA_B2, COSA_D05)  # of bench_attention.py's
 
 

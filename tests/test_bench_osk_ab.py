@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+import bench_attention
 import bench_osk_ab
 from bench_osk_ab import DELTA0, SKIP_ALL, Result, compare, skip_costs
 
@@ -123,7 +124,7 @@ def test_its_rows_are_bench_attentions_with_their_settings():
     assert set(bench_osk_ab.ROWS) <= set(settings) and len(set(bench_osk_ab.ROWS)) == len(bench_osk_ab.ROWS)
     assert set(DELTA0 + SKIP_ALL) <= set(bench_osk_ab.ROWS)   # the skip-cost fit's four
     # and both masks the block-sparse target compares at delta 0
-    assert {bench_osk_ab.cosa_name(budget, 0.0) for budget in bench_osk_ab.BUDGETS} <= set(bench_osk_ab.ROWS)
+    assert {bench_osk_ab.cosa_name(budget, 0.0) for budget in bench_attention.BUDGETS} <= set(bench_osk_ab.ROWS)
 
 
 def test_a_version_runs_on_the_plan_s_tables(monkeypatch):
