@@ -219,8 +219,10 @@ def test_block_flops_count_the_causal_pairs_of_a_dense_run():
     assert flops == pytest.approx(bench_attention.dense_causal_flops(seq), rel=1e-12)
 
 
-def test_git_checkout_names_the_commit_and_whether_tracked_files_changed(tmp_path):
+def test_git_checkout_names_the_commit_and_whether_tracked_files_changed(tmp_path, monkeypatch):
     import subprocess
+
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))   # not a checkout around tmp_path
 
     def git(*args):
         return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path,
