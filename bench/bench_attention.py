@@ -746,9 +746,9 @@ def provenance() -> dict:
     except Exception as error:  # noqa: BLE001
         osk_kernel = f"unknown ({type(error).__name__})"
     return {"git_commit": commit, "git_changed": changed,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
-            "cutlass_dsl": dsl, "cosa": cosa.__version__,
-            "osk_kernel": osk_kernel,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+            "cutlass_dsl": dsl, "cosa": cosa.__version__, "osk_kernel": osk_kernel,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

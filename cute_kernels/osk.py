@@ -1559,7 +1559,7 @@ class _Operands(NamedTuple):
         """As ``q`` and ``k_cache`` have them: what the unbound launchers bind to."""
         from ..paged import check_kv_layout  # like torch, imported when a launch needs it
 
-        check_kv_layout(kv_layout, who)
+        check_kv_layout(kv_layout, f"{who}: kv_layout")
         if q.dim() != 3 or k_cache.dim() != 4:
             raise ValueError(f"{who}: q must be 3-D and k_cache 4-D, got shapes {list(q.shape)} and "
                              f"{list(k_cache.shape)}")
@@ -1570,7 +1570,7 @@ class _Operands(NamedTuple):
         """Refuses what no kernel takes."""
         from ..paged import check_kv_layout
 
-        check_kv_layout(self.kv_layout, who)
+        check_kv_layout(self.kv_layout, f"{who}: kv_layout")
         if not supported(self.head_dim, self.dtype):
             raise ValueError(f"{who}: no kernel for head_dim={self.head_dim}, dtype={self.dtype}")
         if not 16 <= self.page_size <= 256 or self.page_size & (self.page_size - 1):

@@ -33,11 +33,11 @@ class CacheGeometry(NamedTuple):
     head_dim: int
 
 
-def check_kv_layout(kv_layout: str, who: str = "") -> str:
-    """``kv_layout``, if it is one of ``KV_LAYOUTS``; ``who`` prefixes the error (a launcher's name)."""
+def check_kv_layout(kv_layout: str, name: str = "kv_layout") -> str:
+    """``kv_layout``, if it is one of ``KV_LAYOUTS``; ``name`` is the argument's in the error, as
+    in ``cosa.checks``."""
     if kv_layout not in KV_LAYOUTS:
-        prefix = f"{who}: " if who else ""
-        raise ValueError(f"{prefix}kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+        raise ValueError(f"{name} must be one of {KV_LAYOUTS}, got {kv_layout!r}")
     return kv_layout
 
 
