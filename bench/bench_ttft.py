@@ -34,7 +34,7 @@ from cosa.paged import indptr, page_table, scatter_pages
 from cosa.synthetic import rope
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_attention import format_or_dash, load_fa4, rel_err  # noqa: E402
+from bench_attention import format_or_dash, load_fa4, provenance, rel_err  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -388,13 +388,9 @@ def target(rows: list[Row]) -> dict:
 
 
 def write_json(path: str, runner: Runner, started: float) -> None:
-    device = runner.device
     report = {
-        "config": {**vars(runner.args), "model": dataclasses.asdict(runner.config), "dtype": str(DTYPE),
-                   "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                   "torch": torch.__version__, "cosa": cosa.__version__,
-                   "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                   "wall_s": time.time() - started},
+        "config": {**vars(runner.args), **provenance(), "model": dataclasses.asdict(runner.config),
+                   "dtype": str(DTYPE), "wall_s": time.time() - started},
         "rows": [dataclasses.asdict(r) for r in runner.rows],
         "target": target(runner.rows),
     }

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import cosa
 import bench_ttft
 
 BF16_LOGITS_ERR = 2e-2   # dense SDPA in bf16 is 9e-3 from the same model with fp32 attention
@@ -20,6 +21,7 @@ def test_cpu_quick_run_at_full_budget_matches_dense(tmp_path):
     assert bench_ttft.main(["--device", "cpu", "--quick", "--budget", "1", "--delta", "0", "--repeats", "1",
                             "--seed", str(seed), "--json", str(path)]) == 0
     report = json.loads(path.read_text())
+    assert report["config"]["cosa"] == cosa.__version__ and "git_commit" in report["config"]   # provenance()
     dense, sparse = report["rows"]
     assert (dense["attention"], sparse["attention"]) == ("sdpa", "cosa b=1 d=0")
     assert sparse["density1"] == sparse["density2"] == 1.0
