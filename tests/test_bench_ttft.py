@@ -21,7 +21,8 @@ def test_cpu_quick_run_at_full_budget_matches_dense(tmp_path):
     assert bench_ttft.main(["--device", "cpu", "--quick", "--budget", "1", "--delta", "0", "--repeats", "1",
                             "--seed", str(seed), "--json", str(path)]) == 0
     report = json.loads(path.read_text())
-    assert report["config"]["cosa"] == cosa.__version__ and "git_commit" in report["config"]   # provenance()
+    config = report["config"]
+    assert config["device"] == "cpu" and config["cosa"] == cosa.__version__ and "git_commit" in config
     dense, sparse = report["rows"]
     assert (dense["attention"], sparse["attention"]) == ("sdpa", "cosa b=1 d=0")
     assert sparse["density1"] == sparse["density2"] == 1.0
