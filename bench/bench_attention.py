@@ -728,11 +728,12 @@ def git_checkout(directory: Path) -> tuple[str | None, bool | None]:
         return None, None
 
 
-def provenance() -> dict:
+def provenance(device: torch.device | None = None) -> dict:
     """What a benchmark's JSON records of the code and machine that measured it: the checkout's
-    commit and whether its tracked files were changed (None outside a git checkout), the GPU,
-    torch, CUDA, cuDNN (the SDPA peer's), the CuTe DSL and cosa, and where the OSK kernel comes
-    from (``aot``: libcosa's export, ``jit``: compiled at first use)."""
+    commit and whether its tracked files were changed (None outside a git checkout), the device
+    the rows ran on (by default the current GPU, None without one; ``"cpu"`` for a CPU
+    ``device``), torch, CUDA, cuDNN (the SDPA peer's), the CuTe DSL and cosa, and where the OSK
+    kernel comes from (``aot``: libcosa's export, ``jit``: compiled at first use)."""
     from importlib.metadata import PackageNotFoundError, version
 
     commit, changed = git_checkout(Path(__file__).resolve().parent)
@@ -745,9 +746,11 @@ def provenance() -> dict:
         osk_kernel = kernel_source("osk", "bfloat16", HEAD_DIM).kind
     except Exception as error:  # noqa: BLE001
         osk_kernel = f"unknown ({type(error).__name__})"
-    return {"git_commit": commit, "git_changed": changed,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+    if device is None:
+        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    else:
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"git_commit": commit, "git_changed": changed, "device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "cutlass_dsl": dsl, "cosa": cosa.__version__, "osk_kernel": osk_kernel,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 

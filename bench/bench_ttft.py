@@ -389,10 +389,8 @@ def target(rows: list[Row]) -> dict:
 
 def write_json(path: str, runner: Runner, started: float) -> None:
     report = {
-        # "device": where the rows ran (provenance() names the machine's GPU even for a CPU run)
-        "config": {**vars(runner.args), **provenance(),
-                   "device": torch.cuda.get_device_name(runner.device) if runner.device.type == "cuda" else "cpu",
-                   "model": dataclasses.asdict(runner.config), "dtype": str(DTYPE), "wall_s": time.time() - started},
+        "config": {**vars(runner.args), **provenance(runner.device), "model": dataclasses.asdict(runner.config),
+                   "dtype": str(DTYPE), "wall_s": time.time() - started},
         "rows": [dataclasses.asdict(r) for r in runner.rows],
         "target": target(runner.rows),
     }
