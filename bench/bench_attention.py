@@ -746,11 +746,11 @@ def provenance(device: torch.device | None = None) -> dict:
         osk_kernel = kernel_source("osk", "bfloat16", HEAD_DIM).kind
     except Exception as error:  # noqa: BLE001
         osk_kernel = f"unknown ({type(error).__name__})"
-    if device is None:
-        device_name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    else:
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"git_commit": commit, "git_changed": changed, "device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda")
+    device_name = None if device is None else torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {"git_commit": commit, "git_changed": changed, "device": device_name,
+            "torch": torch.__version__, "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "cutlass_dsl": dsl, "cosa": cosa.__version__, "osk_kernel": osk_kernel,
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
